@@ -1,0 +1,88 @@
+"""The one attention-backend interface every backend (torch, triton, flashinfer) implements.
+
+A forward batch is ragged: request i contributes `extend_lens[i]` new query tokens (1 for a
+decode step) that sit at positions `prefix_lens[i] .. seq_lens[i]-1` of its sequence and attend
+causally to the whole sequence, whose KV slots are `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    qo_indptr: torch.Tensor  # [B+1] int64: request i's new tokens are q[qo_indptr[i]:qo_indptr[i+1]]
+    kv_indptr: torch.Tensor  # [B+1] int64: offsets into kv_indices
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int64: KV slot of every token of every sequence (prefix + new)
+    prefix_lens: torch.Tensor  # [B] int64: tokens already in the KV cache before this forward
+    extend_lens: torch.Tensor  # [B] int64: new tokens this forward (1 = decode)
+    seq_lens: torch.Tensor  # [B] int64: prefix_lens + extend_lens
+    out_slots: torch.Tensor  # [T] int64: where the new tokens' K/V are written
+    # Host copies, so backends can plan without device syncs.
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_slots.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens_cpu)
+
+    @property
+    def seq_lens_cpu(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens_cpu, self.extend_lens_cpu)]
+
+    @classmethod
+    def build(cls, prefix_lens: list[int], extend_lens: list[int], kv_indices: torch.Tensor,
+              out_slots: torch.Tensor, device: torch.device | str) -> "AttentionMetadata":
+        """Build the metadata from host lists; kv_indices/out_slots already on `device`."""
+        seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        def cumsum(xs: list[int]) -> torch.Tensor:
+            out = [0]
+            for x in xs:
+                out.append(out[-1] + x)
+            return torch.tensor(out, dtype=torch.int64, device=device)
+        return cls(
+            qo_indptr=cumsum(extend_lens),
+            kv_indptr=cumsum(seq),
+            kv_indices=kv_indices,
+            prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=device),
+            extend_lens=torch.tensor(extend_lens, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
+            out_slots=out_slots,
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=list(extend_lens),
+        )
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer of a ragged batch over the paged KV cache."""
+
+    name: str = "base"
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        """Plan once per forward batch (shared by all layers). Default: nothing to plan."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; k_cache/v_cache [slots, Hkv, D].
+
+        Writes k/v into the cache at meta.out_slots, then returns attention output [T, Hq, D].
+        """
+
+    @staticmethod
+    def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        k_cache[meta.out_slots] = k.to(k_cache.dtype)
+        v_cache[meta.out_slots] = v.to(v_cache.dtype)

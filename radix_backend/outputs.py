@@ -1,0 +1,67 @@
+"""Plain result records returned by the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestMeta:
+    """Accounting for one request; `cached_tokens` were served from the radix cache."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_time_s: float = 0.0
+    first_token_time_s: float = 0.0  # from submit to first generated token
+    total_time_s: float = 0.0
+    decode_steps: int = 0  # forward steps that produced tokens (jump-forward tokens need none)
+    matched_stop: str | int | None = None
+
+
+@dataclass
+class GenerateOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    meta: RequestMeta
+    logprobs: list[TokenLogprob] | None = None
+    request_id: str = ""
+
+
+@dataclass
+class StreamChunk:
+    """One streamed increment; `finish_reason` is set on the last chunk only."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    meta: RequestMeta | None = None
+
+
+@dataclass
+class ChoiceScore:
+    """Log-likelihood of one continuation after a shared prefix (what `select` needs)."""
+
+    text: str
+    token_ids: list[int]
+    token_logprobs: list[float]  # log p(token_i | prefix, tokens_<i)
+    unconditional_logprobs: list[float] | None = None  # same tokens with no prefix (for unconditional normalization)
+
+    @property
+    def total_logprob(self) -> float:
+        return float(sum(self.token_logprobs))
+
+    @property
+    def normalized_logprob(self) -> float:
+        return self.total_logprob / max(1, len(self.token_logprobs))
