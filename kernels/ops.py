@@ -1,0 +1,156 @@
+"""Fused layer ops the model calls: RMSNorm (+ residual add), SiLU-and-mul and neox-style RoPE.
+
+Each public function has a pure-torch implementation (`*_torch`, used on CPU and as the test
+reference) and a Triton kernel (`triton_ops.py`) used for CUDA tensors when Triton imports.
+Set the env var `RADIX_BACKEND_TRITON_OPS=0` (read at import) or the module flag
+`USE_TRITON_OPS = False` to force the torch path everywhere.
+
+RoPE cache layout (`cos_sin_cache`): a float tensor [max_pos, rot_dim]; row p holds
+`cos(p * inv_freq)` in columns [0, rot_dim/2) and `sin(p * inv_freq)` in [rot_dim/2, rot_dim),
+where inv_freq has rot_dim/2 entries. Rotation is neox style ("rotate half", as HF Llama):
+the first rot_dim features of each head are split into halves x1, x2 and become
+(x1*cos - x2*sin, x2*cos + x1*sin); features past rot_dim pass through unchanged.
+Build it with `build_cos_sin_cache` (keep it fp32: the kernels upcast anyway).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+import torch.nn.functional as F
+
+USE_TRITON_OPS: bool = os.environ.get("RADIX_BACKEND_TRITON_OPS", "1") != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return USE_TRITON_OPS and x.is_cuda and triton_available()
+
+
+# ----------------------------------------------------------------------------- public API
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim (fp32 statistics, as HF LlamaRMSNorm); returns x.dtype."""
+    _check_norm_args(x, weight)
+    if _use_triton(x):
+        from . import triton_ops
+        return triton_ops.rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_residual = x + residual; returns (rms_norm(new_residual), new_residual). Inputs untouched."""
+    _check_norm_args(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
+    if _use_triton(x):
+        from . import triton_ops
+        return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
+    return fused_add_rms_norm_torch(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2d] = cat(gate, up) -> silu(gate) * up, shape [..., d] (Llama MLP activation)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim (gate and up halves), got {x.shape[-1]}")
+    if _use_triton(x):
+        from . import triton_ops
+        return triton_ops.silu_and_mul(x)
+    return silu_and_mul_torch(x)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE. q [T, Hq, D], k [T, Hkv, D], positions [T] int; returns new (q, k).
+
+    cos_sin_cache is [max_pos, rot_dim] (see the module docstring), rot_dim <= D and even.
+    """
+    _check_rotary_args(q, k, positions, cos_sin_cache)
+    if _use_triton(q):
+        from . import triton_ops
+        return triton_ops.apply_rotary(q, k, positions, cos_sin_cache)
+    return apply_rotary_torch(q, k, positions, cos_sin_cache)
+
+
+def default_inv_freq(rot_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """Plain RoPE frequencies (HF `rope_type="default"`): base ** (-2i / rot_dim), fp32."""
+    if rot_dim <= 0 or rot_dim % 2:
+        raise ValueError(f"rot_dim must be a positive even number, got {rot_dim}")
+    return 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_pos: int, attention_scaling: float = 1.0,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+    """[max_pos, 2 * len(inv_freq)] fp32 table in the layout above.
+
+    Pass HF's inv_freq (e.g. from `ROPE_INIT_FUNCTIONS[rope_type](config, device)`) to get the
+    scaled variants (llama3, yarn...); `attention_scaling` multiplies cos and sin as HF does.
+    """
+    inv = inv_freq.detach().to(device=device or inv_freq.device, dtype=torch.float32)
+    t = torch.arange(max_pos, dtype=torch.float32, device=inv.device)
+    freqs = torch.outer(t, inv)
+    return torch.cat([freqs.cos() * attention_scaling, freqs.sin() * attention_scaling], dim=-1).contiguous()
+
+
+# ----------------------------------------------------------------------------- torch paths
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(x.dtype)).to(x.dtype)
+
+
+def fused_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = x + residual.to(x.dtype)
+    return rms_norm_torch(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def apply_rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rot = cos_sin_cache.shape[-1]
+    cs = cos_sin_cache.index_select(0, positions.to(torch.long)).float()
+    cos, sin = cs[:, None, : rot // 2], cs[:, None, rot // 2:]  # [T, 1, rot/2]
+    return _rotate(q, cos, sin, rot), _rotate(k, cos, sin, rot)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    xf = x[..., :rot].float()
+    x1, x2 = xf[..., : rot // 2], xf[..., rot // 2:]
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    if rot == x.shape[-1]:
+        return rotated
+    return torch.cat([rotated, x[..., rot:]], dim=-1)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be 1-D of size {x.shape[-1]} (x's last dim), got {tuple(weight.shape)}")
+
+
+def _check_rotary_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                       cos_sin_cache: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be [tokens, heads, head_dim], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or positions.shape != (q.shape[0],):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and positions {tuple(positions.shape)} "
+                         "must agree on tokens and head_dim")
+    rot = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dim() != 2 or rot % 2 or rot > q.shape[2]:
+        raise ValueError(f"cos_sin_cache must be [max_pos, rot_dim] with even rot_dim <= head_dim "
+                         f"{q.shape[2]}, got {tuple(cos_sin_cache.shape)}")
