@@ -1,17 +1,28 @@
-"""Engine: the thread-safe public front of the runtime (SKELETON: signatures are the contract).
+"""Engine: the thread-safe public front of the runtime.
 
-Implementation lands in the core-engine work; adapters, the DSL and the server code against
-exactly these signatures.
+Callers on any thread or event loop submit requests; one scheduler thread batches them over
+one radix cache. Validation, tokenization and constraint compilation happen in the caller's
+thread at submit time, so bad input raises there and never reaches the scheduler.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+from .errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
+from .loader import load_tokenizer, resolve_checkpoint
+from .model_runner import ModelRunner
 from .outputs import ChoiceScore, GenerateOutput, StreamChunk
+from .request import Req, RequestHandle
 from .sampling_params import SamplingParams
+from .scheduler import Scheduler
 
 Prompt = str
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant", "content": str}
@@ -28,44 +39,301 @@ class CacheStats:
     slots_used: int  # held by running requests or by the tree
     slots_free: int
     cached_slots: int  # owned by the radix tree
+    running_requests: int = 0
+    waiting_requests: int = 0
+    retractions: int = 0
+    forward_steps: int = 0
+    generated_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class Engine:
+    """One model, one radix cache, one scheduler thread; share it across the whole process."""
+
     def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
                  kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
                  schedule_policy: str = "lpm", attention_backend: str = "auto", max_running_requests: int = 64,
-                 chunked_prefill_tokens: int = 2048, disable_radix_cache: bool = False, seed: int = 0) -> None: ...
+                 chunked_prefill_tokens: int = 2048, disable_radix_cache: bool = False,
+                 enable_jump_forward: bool = True, seed: int = 0, debug_slots: bool = False) -> None:
+        self.checkpoint = resolve_checkpoint(model)
+        self.model_path = str(self.checkpoint.path)
+        self.model_name = model or "SmolLM2-135M-Instruct"
+        self.tokenizer = load_tokenizer(self.checkpoint)
+        self.runner = ModelRunner(self.checkpoint, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
+                                  mem_fraction=mem_fraction, page_size=page_size, attention_backend=attention_backend)
+        self.eos_token_ids = frozenset(self._collect_eos_ids())
+        self.seed = seed
+        self._ids = itertools.count()
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
+        self.scheduler = Scheduler(self.runner, decode=self.decode, page_size=page_size, schedule_policy=schedule_policy,
+                                   max_running_requests=max_running_requests,
+                                   chunked_prefill_tokens=chunked_prefill_tokens,
+                                   disable_radix_cache=disable_radix_cache, enable_jump_forward=enable_jump_forward,
+                                   debug_slots=debug_slots)
 
-    # Tokenizer helpers (transformers tokenizer underneath: `engine.tokenizer`).
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+    # ---- tokenizer helpers --------------------------------------------------------------------
+    def _collect_eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.checkpoint.config.eos_token_id, self.tokenizer.eos_token_id,
+                       getattr(self._generation_config(), "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(x) for x in source)
+        return ids
+
+    def _generation_config(self):
+        try:
+            from transformers import GenerationConfig
+            return GenerationConfig.from_pretrained(self.model_path, local_files_only=True)
+        except Exception:
+            return None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str: ...
+                            tools: list[dict] | None = None) -> str:
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError(f"model {self.model_name} has no chat template; pass a plain prompt instead")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  tools=tools)
+
     @property
-    def context_length(self) -> int: ...
+    def context_length(self) -> int:
+        return self.runner.context_length
 
-    # Generation: exactly one of prompt / input_ids / messages; a list prompt (or list of lists
-    # of ids, or list of message lists) gives a list of outputs, submitted as one batch.
-    def generate(self, prompt: Prompt | list[Prompt] | None = None, params: SamplingParams | list[SamplingParams] | None = None,
-                 *, input_ids: list[int] | list[list[int]] | None = None,
-                 messages: list[Message] | list[list[Message]] | None = None) -> GenerateOutput | list[GenerateOutput]: ...
-    async def agenerate(self, prompt=None, params=None, *, input_ids=None, messages=None): ...
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def constraint_compiler(self):
+        """The llguidance compiler, built on first use (constrained decoding is optional)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                from .constrained import ConstraintCompiler
+                self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+                self.scheduler.bitmask_factory = self._compiler.allocate_bitmask
+            return self._compiler
+
+    # ---- request building ---------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Any, input_ids: Any, messages: Any) -> list[int]:
+        given = sum(x is not None for x in (prompt, input_ids, messages))
+        if given != 1:
+            raise InvalidRequestError("pass exactly one of prompt, input_ids or messages")
+        if messages is not None:
+            prompt = self.apply_chat_template(messages)
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
+            ids = self.encode(prompt)
+        else:
+            if not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
+                raise InvalidRequestError("input_ids must be a list of ints")
+            ids = list(input_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"input_ids contain ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        return ids
+
+    def _make_req(self, prompt_ids: list[int], params: SamplingParams | None, stream: bool,
+                  input_logprob_start: int | None = None) -> Req:
+        params = (params or SamplingParams()).copy() if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if len(prompt_ids) >= self.context_length:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens but the model's context window is {self.context_length}; "
+                "shorten the prompt")
+        total = self.scheduler.allocator.num_total
+        needed = len(prompt_ids) + min(params.max_new_tokens, self.context_length - len(prompt_ids))
+        if needed > total:
+            raise KVCacheTooSmallError(
+                f"request needs {needed} KV slots (prompt {len(prompt_ids)} + max_new_tokens) but the pool has {total}; "
+                "raise kv_cache_tokens or lower max_new_tokens")
+        constraint = self.constraint_compiler.compile(params) if params.has_constraint else None
+        rid = uuid.uuid4().hex
+        generator = None
+        if not params.is_greedy:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed if params.seed is not None else self.seed * 1_000_003 + next(self._ids))
+        return Req(rid=rid, prompt_ids=prompt_ids, params=params, handle=RequestHandle(rid, stream),
+                   eos_token_ids=self.eos_token_ids, max_total_tokens=self.context_length, constraint=constraint,
+                   input_logprob_start=input_logprob_start, generator=generator)
+
+    def submit(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+               input_ids: list[int] | None = None, messages: list[Message] | None = None,
+               stream: bool = False) -> RequestHandle:
+        """Queue one request and return its handle (`.wait()`, `.iter_chunks()`, `.rid`)."""
+        req = self._make_req(self._prompt_ids(prompt, input_ids, messages), params, stream)
+        self.scheduler.submit(req)
+        return req.handle
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def _submit_many(self, prompt, params, input_ids, messages) -> tuple[list[RequestHandle], bool]:
+        """Normalise single/batch inputs; validate every item before submitting any."""
+        batched = (isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
+                   or (isinstance(messages, list) and messages and isinstance(messages[0], list)))
+        if not batched:
+            return [self.submit(prompt, params, input_ids=input_ids, messages=messages)], False
+        items = prompt if isinstance(prompt, list) else input_ids if input_ids is not None else messages
+        if not items:
+            raise InvalidRequestError("the batch is empty")
+        if isinstance(params, list) and len(params) != len(items):
+            raise InvalidRequestError(f"got {len(items)} prompts but {len(params)} SamplingParams")
+        reqs = []
+        for i, item in enumerate(items):
+            p = params[i] if isinstance(params, list) else params
+            kw = {"prompt": item} if isinstance(prompt, list) else {"input_ids": item} if input_ids is not None else {"messages": item}
+            ids = self._prompt_ids(kw.get("prompt"), kw.get("input_ids"), kw.get("messages"))
+            reqs.append(self._make_req(ids, p, stream=False))
+        for req in reqs:
+            self.scheduler.submit(req)
+        return [r.handle for r in reqs], True
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, prompt: Prompt | list[Prompt] | None = None,
+                 params: SamplingParams | list[SamplingParams] | None = None, *,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[Message] | list[list[Message]] | None = None,
+                 timeout: float | None = None) -> GenerateOutput | list[GenerateOutput]:
+        """Generate for one prompt or a batch (a list), blocking until all finish."""
+        handles, batched = self._submit_many(prompt, params, input_ids, messages)
+        outputs = [h.wait(timeout) for h in handles]
+        return outputs if batched else outputs[0]
+
+    async def agenerate(self, prompt=None, params=None, *, input_ids=None, messages=None):
+        """Async `generate`: awaits without blocking the event loop; cancelling aborts the requests."""
+        handles, batched = self._submit_many(prompt, params, input_ids, messages)
+        try:
+            outputs = [await h.await_result() for h in handles]
+        except BaseException:
+            for h in handles:
+                if not h.done:
+                    self.abort(h.rid)
+            raise
+        return outputs if batched else outputs[0]
+
     def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
-               input_ids: list[int] | None = None, messages: list[Message] | None = None) -> Iterator[StreamChunk]: ...
-    async def astream(self, prompt=None, params=None, *, input_ids=None, messages=None) -> AsyncIterator[StreamChunk]: ...
+               input_ids: list[int] | None = None, messages: list[Message] | None = None) -> Iterator[StreamChunk]:
+        """Yield text increments as they are generated; closing the iterator aborts the request."""
+        handle = self.submit(prompt, params, input_ids=input_ids, messages=messages, stream=True)
+        try:
+            yield from handle.iter_chunks()
+        finally:
+            if not handle.done:
+                self.abort(handle.rid)
 
-    # Scoring for `select`: the prefix is computed once and shared by all continuations.
+    async def astream(self, prompt=None, params=None, *, input_ids=None, messages=None) -> AsyncIterator[StreamChunk]:
+        handle = self.submit(prompt, params, input_ids=input_ids, messages=messages, stream=True)
+        try:
+            async for chunk in handle.aiter_chunks():
+                yield chunk
+        finally:
+            if not handle.done:
+                self.abort(handle.rid)
+
+    # ---- scoring (select) ----------------------------------------------------------------------
     def score(self, prefix: Prompt | list[int], continuations: list[str] | list[list[int]], *,
-              unconditional: bool = False) -> list[ChoiceScore]: ...
+              unconditional: bool = False) -> list[ChoiceScore]:
+        """Log-likelihood of each continuation after `prefix`; the prefix is computed once."""
+        if not continuations:
+            raise InvalidRequestError("score() needs at least one continuation")
+        prefix_ids = self._prompt_ids(prefix, None, None) if isinstance(prefix, str) else self._prompt_ids(None, prefix, None)
+        pairs = [self._split_continuation(prefix, prefix_ids, c) for c in continuations]
+        # Warm the cache with the shared prefix first so every continuation hits it.
+        self.scheduler.submit(self._make_req(prefix_ids, SamplingParams(max_new_tokens=0), stream=False))
+        reqs = [self._make_req(full, SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=start)
+                for full, start in pairs]
+        uncond_reqs = []
+        if unconditional:
+            uncond_reqs = [self._make_req(full[start:], SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=1)
+                           for full, start in pairs]
+        for r in reqs + uncond_reqs:
+            self.scheduler.submit(r)
+        results = []
+        for i, (req, (full, start)) in enumerate(zip(reqs, pairs)):
+            out = req.handle.wait()
+            uncond = None
+            if unconditional:
+                uncond = [0.0] + list(getattr(uncond_reqs[i].handle.wait(), "prompt_logprobs"))
+            text = continuations[i] if isinstance(continuations[i], str) else self.decode(full[start:])
+            results.append(ChoiceScore(text=text, token_ids=full[start:], token_logprobs=list(out.prompt_logprobs),  # type: ignore[attr-defined]
+                                       unconditional_logprobs=uncond))
+        return results
 
-    def cache_stats(self) -> CacheStats: ...
-    def flush_cache(self) -> bool: ...
-    def shutdown(self) -> None: ...
-    def __enter__(self) -> "Engine": ...
-    def __exit__(self, *exc) -> None: ...
+    def _split_continuation(self, prefix, prefix_ids: list[int], continuation) -> tuple[list[int], int]:
+        """Token ids of prefix+continuation and where the continuation's tokens start."""
+        if isinstance(continuation, str):
+            if not isinstance(prefix, str):
+                full = prefix_ids + self.encode(continuation)
+            else:
+                full = self.encode(prefix + continuation)
+        elif isinstance(continuation, list) and all(isinstance(t, int) for t in continuation):
+            full = prefix_ids + list(continuation)
+        else:
+            raise InvalidRequestError("continuations must be strings or lists of token ids")
+        start = 0
+        while start < min(len(full), len(prefix_ids)) and full[start] == prefix_ids[start]:
+            start += 1
+        if start == len(full):
+            raise InvalidRequestError(f"continuation {continuation!r} adds no tokens to the prefix")
+        start = max(start, 1)
+        return full, start
+
+    # ---- cache and lifecycle ---------------------------------------------------------------------
+    def cache_stats(self) -> CacheStats:
+        def collect() -> CacheStats:
+            s, tree, alloc = self.scheduler.stats, self.scheduler.tree, self.scheduler.allocator
+            cached_slots = tree.total_size()
+            return CacheStats(
+                prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
+                hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                nodes=tree.num_nodes(), evictions=tree.evicted_tokens_total, slots_total=alloc.num_total,
+                slots_used=alloc.num_total - alloc.num_free, slots_free=alloc.num_free, cached_slots=cached_slots,
+                running_requests=len(self.scheduler.running), waiting_requests=len(self.scheduler.waiting),
+                retractions=s.retractions, forward_steps=s.forward_steps, generated_tokens=s.generated_tokens)
+        return self.scheduler.call(collect)  # type: ignore[return-value]
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; False (and nothing dropped) while requests are in flight."""
+        return bool(self.scheduler.call(self.scheduler.flush_cache))
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+_shared_engines: dict[str, Engine] = {}
+_shared_lock = threading.Lock()
 
 
 def get_engine(model: str | None = None, **kwargs: Any) -> Engine:
     """The process-wide shared engine for `model` (created on first use), so every adapter and DSL
-    program in one process shares one radix cache."""
-    ...
+    program in one process shares one radix cache. `kwargs` apply only on creation."""
+    key = str(model)
+    with _shared_lock:
+        engine = _shared_engines.get(key)
+        if engine is None or engine.scheduler._stop.is_set():
+            engine = Engine(model, **kwargs)
+            _shared_engines[key] = engine
+        return engine

@@ -1,0 +1,1 @@
+"""SGLang-style frontend language (imports as radix_backend.lang)."""

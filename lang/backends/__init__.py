@@ -1,0 +1,1 @@
+"""DSL backends."""

@@ -1,0 +1,109 @@
+"""ModelRunner: owns the model weights, the KV pool and the attention backend; runs one ragged batch."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from radix_backend.kernels import AttentionMetadata, create_attention_backend
+
+from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
+from .loader import Checkpoint, iter_weights
+from .models import build_model
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_FRACTION = 0.2
+CPU_MAX_DEFAULT_KV_TOKENS = 131072
+
+
+@dataclass
+class ForwardInput:
+    """One forward pass: request i contributes new tokens at positions prefix_lens[i].."""
+
+    input_ids: list[int]
+    positions: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    kv_indices: torch.Tensor  # all slots of every sequence, prefix + new, concatenated
+    out_slots: torch.Tensor  # slots of the new tokens
+    logits_indices: list[int]  # rows of the flat token dim whose logits are wanted
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
+    return names[dtype]
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+class ModelRunner:
+    def __init__(self, checkpoint: Checkpoint, *, device: str = "auto", dtype: str = "auto",
+                 kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
+                 attention_backend: str = "auto") -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = checkpoint.config
+        self.model = build_model(self.config, iter_weights(checkpoint, dtype=torch.float32, device="cpu"),
+                                 dtype=self.dtype, device=self.device)
+        attn = self.model.layers[0].self_attn
+        pool_cfg = KVPoolConfig(num_layers=len(self.model.layers), num_kv_heads=attn.num_kv_heads,
+                                head_dim=attn.head_dim, dtype=self.dtype, device=self.device)
+        num_slots = kv_cache_tokens or self._default_kv_tokens(pool_cfg, mem_fraction)
+        if num_slots < 16:
+            raise ValueError(f"kv_cache_tokens must be >= 16, got {num_slots}")
+        self.kv_pool = KVPool(pool_cfg, num_slots, page_size=page_size)
+        self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(pool_cfg.num_layers)]
+        backend_kwargs = {"page_size": page_size} if attention_backend == "flashinfer" else {}
+        self.attention_backend = create_attention_backend(attention_backend, self.device, **backend_kwargs)
+        logger.info("model on %s/%s, %d KV slots, attention=%s", self.device, self.dtype, num_slots,
+                    self.attention_backend.name)
+
+    def _default_kv_tokens(self, cfg: KVPoolConfig, mem_fraction: float | None) -> int:
+        available = _available_memory_bytes(self.device)
+        if self.device.type == "cuda":
+            return kv_tokens_for_budget(cfg, int(available * (mem_fraction or 0.8)))
+        tokens = kv_tokens_for_budget(cfg, int(available * (mem_fraction or CPU_DEFAULT_KV_FRACTION)))
+        return tokens if mem_fraction else min(tokens, CPU_MAX_DEFAULT_KV_TOKENS)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    def forward(self, batch: ForwardInput) -> torch.Tensor:
+        """Run the batch; returns float32 logits [len(logits_indices), vocab]."""
+        dev = self.device
+        meta = AttentionMetadata.build(batch.prefix_lens, batch.extend_lens, batch.kv_indices.to(dev),
+                                       batch.out_slots.to(dev), dev)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(batch.positions, dtype=torch.int64, device=dev)
+        logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=dev)
+        return self.model(input_ids, positions, self.kv_caches, self.attention_backend, meta, logits_indices)

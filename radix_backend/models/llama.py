@@ -1,0 +1,213 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the engine's paged KV pool.
+
+One forward call takes a ragged batch: the new tokens of many requests, flattened, each
+attending to its own cached prefix through the attention backend. Q/K/V and gate/up
+projections are fused into single matmuls, and logits are computed only at the rows asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from radix_backend.kernels import ops
+from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)
+
+
+def _rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] = cos half then sin half, with HF's rope scaling applied."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaRotaryEmbedding(config=config)
+    inv_freq = rope.inv_freq.float()
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {inv_freq.numel() * 2}, head_dim {head_dim})")
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    scale = float(rope.attention_scaling)
+    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = ops.apply_rotary(q, k, positions, cos_sin)
+        out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_id)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, residual, positions, cos_sin, kv, backend, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin, kv, backend, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack; `forward` returns logits only for `logits_indices` rows."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        head_dim = self.layers[0].self_attn.head_dim
+        self.register_buffer("cos_sin_cache", _rope_cos_sin_cache(config, head_dim, config.max_position_embeddings),
+                             persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                backend: AttentionBackend, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        backend.begin_forward(meta)
+        cos_sin = self.cos_sin_cache
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, positions, cos_sin, kv, backend, meta)
+        hidden = hidden[logits_indices]
+        residual = residual[logits_indices]
+        hidden, _ = self.norm(hidden, residual)
+        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up into the stacked projections."""
+        params = dict(self.named_parameters())
+        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for src, (dst, shard) in stacked.items():
+                if f".{src}." in name:
+                    target = name.replace(f".{src}.", f".{dst}.")
+                    self._load_shard(params[target], tensor, dst, shard)
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint has an unexpected tensor {name!r}")
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                loaded.add(name)
+        expected = self._expected_loaded_names(params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+
+    def _load_shard(self, param: torch.Tensor, tensor: torch.Tensor, kind: str, shard: int) -> None:
+        if kind == "gate_up_proj":
+            size = param.shape[0] // 2
+            param.data[shard * size:(shard + 1) * size].copy_(tensor)
+            return
+        attn = self.layers[0].self_attn
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        start = sum(sizes[:shard])
+        param.data[start:start + sizes[shard]].copy_(tensor)
+
+    @staticmethod
+    def _expected_loaded_names(params: dict[str, torch.Tensor]) -> set[str]:
+        out: set[str] = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                out.update(f"{name}#{i}" for i in range(3))
+            elif ".gate_up_proj." in name:
+                out.update(f"{name}#{i}" for i in range(2))
+            else:
+                out.add(name)
+        return out
+
+
+def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device)
+    model.cos_sin_cache = _rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
+                                              config.max_position_embeddings).to(device)
+    model.load_weights(weights)
+    model = model.to(dtype)
+    model.cos_sin_cache = model.cos_sin_cache.float()
+    return model.eval()

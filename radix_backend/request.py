@@ -1,0 +1,245 @@
+"""Per-request state inside the scheduler, and the handle through which results reach callers.
+
+The scheduler thread owns `Req`; callers hold a `RequestHandle` and read results from it
+(blocking, or from an asyncio loop) without touching scheduler state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .outputs import FinishReason, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
+from .sampling_params import SamplingParams
+
+_DONE = object()
+
+
+class RequestHandle:
+    """Delivers stream chunks and the final output (or an exception) from the scheduler thread."""
+
+    def __init__(self, rid: str, stream: bool) -> None:
+        self.rid = rid
+        self.stream = stream
+        self._sync: queue.SimpleQueue | None = None
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None = None
+        self._buffer: list[Any] = []
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.result: GenerateOutput | None = None
+        self.error: BaseException | None = None
+
+    # -- producer side (scheduler thread) ---------------------------------------------------
+    def _put(self, item: Any) -> None:
+        with self._lock:
+            if self._async is not None:
+                loop, q = self._async
+                try:
+                    loop.call_soon_threadsafe(q.put_nowait, item)
+                except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                    pass
+            elif self._sync is not None:
+                self._sync.put(item)
+            else:
+                self._buffer.append(item)
+
+    def push_chunk(self, chunk: StreamChunk) -> None:
+        if self.stream:
+            self._put(chunk)
+
+    def finish(self, output: GenerateOutput) -> None:
+        self.result = output
+        self._done.set()
+        self._put(_DONE)
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._done.set()
+        self._put(_DONE)
+
+    # -- consumer side ----------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> GenerateOutput:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.rid} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def _attach_sync(self) -> queue.SimpleQueue:
+        with self._lock:
+            self._sync = queue.SimpleQueue()
+            for item in self._buffer:
+                self._sync.put(item)
+            self._buffer.clear()
+            return self._sync
+
+    def _attach_async(self) -> asyncio.Queue:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._async = (loop, q)
+            for item in self._buffer:
+                q.put_nowait(item)
+            self._buffer.clear()
+        return q
+
+    def iter_chunks(self):
+        q = self._attach_sync()
+        while True:
+            item = q.get()
+            if item is _DONE:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item
+
+    async def aiter_chunks(self):
+        q = self._attach_async()
+        while True:
+            item = await q.get()
+            if item is _DONE:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item
+
+    async def await_result(self) -> GenerateOutput:
+        q = self._attach_async()
+        while not self.done:
+            if await q.get() is _DONE:
+                break
+        return self.wait(0)
+
+
+@dataclass
+class Req:
+    """A request as the scheduler sees it. Slots [0, cached_len) belong to the radix tree (locked
+    through `last_node`); slots [cached_len, kv_len) are private to this request."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    handle: RequestHandle
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int  # context window
+    constraint: Any = None  # radix_backend.constrained.TokenConstraint or None
+    input_logprob_start: int | None = None  # score(): logprobs of prompt tokens from here on
+    output_ids: list[int] = field(default_factory=list)
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    kv_len: int = 0
+    cached_len: int = 0
+    last_node: Any = None
+    admitted_once: bool = False
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    text: str = ""
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    meta: RequestMeta = field(default_factory=RequestMeta)
+    submit_time: float = field(default_factory=time.perf_counter)
+    error: BaseException | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens whose KV is not computed yet."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    @property
+    def max_prefix_len(self) -> int:
+        """Longest prefix that may come from the cache: the last token (and any token whose
+        logits we must return) has to be recomputed."""
+        limit = self.seq_len - 1
+        if self.input_logprob_start is not None and self.kv_len < self.input_logprob_start:
+            limit = min(limit, max(0, self.input_logprob_start - 1))
+        return max(0, limit)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # -- finishing rules ----------------------------------------------------------------------
+    def check_token_stop(self, token: int) -> None:
+        """Finish on EOS / stop ids / length / context after appending `token`."""
+        p = self.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            self.finish_reason, self.matched_stop = "stop", token
+        elif token in p.stop_token_ids:
+            self.finish_reason, self.matched_stop = "stop", token
+        elif len(self.output_ids) >= p.max_new_tokens or self.seq_len >= self.max_total_tokens:
+            self.finish_reason = "length"
+
+    def update_text(self, decode: Callable[[list[int]], str]) -> None:
+        """Re-detokenize the output and apply stop strings (the text is cut before the stop)."""
+        self.text = decode(self.output_ids)
+        for stop in self.params.stop:
+            idx = self.text.find(stop, max(0, self.sent_text_len - len(stop)))
+            if idx != -1:
+                self.text = self.text[:idx]
+                if self.finish_reason is None or self.finish_reason == "length":
+                    self.finish_reason, self.matched_stop = "stop", stop
+                break
+
+    def stream_safe_len(self) -> int:
+        """How much of `text` can be sent: never half a multi-byte char or a possible stop prefix."""
+        if self.finished:
+            return len(self.text)
+        end = len(self.text)
+        while end > 0 and self.text[end - 1] == "\ufffd":
+            end -= 1
+        for stop in self.params.stop:
+            for k in range(min(len(stop) - 1, end), 0, -1):
+                if self.text[:end].endswith(stop[:k]):
+                    end -= k
+                    break
+        return max(end, self.sent_text_len)
+
+    def take_stream_chunk(self) -> StreamChunk | None:
+        end = self.stream_safe_len()
+        delta = self.text[self.sent_text_len:end]
+        tokens = self.output_ids[self.sent_token_len:]
+        if not delta and not self.finished and not tokens:
+            return None
+        if not delta and not self.finished:
+            return None
+        self.sent_text_len = end
+        self.sent_token_len = len(self.output_ids)
+        return StreamChunk(text=delta, token_ids=tokens, finish_reason=self.finish_reason,
+                           meta=self.meta if self.finished else None)
+
+    def build_output(self) -> GenerateOutput:
+        self.meta.prompt_tokens = len(self.prompt_ids)
+        self.meta.completion_tokens = len(self.output_ids)
+        self.meta.total_time_s = time.perf_counter() - self.submit_time
+        self.meta.matched_stop = self.matched_stop
+        logprobs = self.output_logprobs if self.params.logprobs else None
+        out = GenerateOutput(text=self.text, token_ids=list(self.output_ids), finish_reason=self.finish_reason or "abort",
+                             meta=self.meta, logprobs=logprobs, request_id=self.rid)
+        if self.input_logprob_start is not None:
+            out.prompt_logprobs = list(self.input_logprobs)  # type: ignore[attr-defined]
+        return out

@@ -1,0 +1,98 @@
+"""Batched sampler: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+Greedy rows take a plain argmax of the unmodified logits (bit-identical to HF greedy);
+sampled rows are transformed together, then drawn one by one with each request's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .outputs import TokenLogprob
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerRow:
+    """What the sampler needs of one request for one step."""
+
+    params: SamplingParams
+    output_ids: list[int]
+    prompt_ids: list[int]
+    generator: torch.Generator | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> None:
+    """In place: repetition (HF-style, over prompt+output), frequency and presence (OpenAI-style, over output)."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long, device=logits.device)
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if row.output_ids and (p.frequency_penalty or p.presence_penalty):
+            ids = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.zeros(logits.shape[1], device=logits.device, dtype=logits.dtype)
+            counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero out tokens outside top-k / nucleus / min-p, per row; rows renormalized by multinomial."""
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    keep = ranks < top_k[:, None]
+    cumulative = sorted_probs.cumsum(dim=-1)
+    keep &= (cumulative - sorted_probs) < top_p[:, None]  # keep until mass reaches top_p (always >= 1 token)
+    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    keep[:, 0] = True
+    sorted_probs = sorted_probs * keep
+    return torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[int]:
+    """Pick one token per row; `logits` [B, V] float32 (already constraint-masked), modified in place."""
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    out = [0] * len(rows)
+    if any(r.params.has_penalties for r in rows):
+        apply_penalties(logits, rows)
+    if greedy:
+        picks = logits[greedy].argmax(dim=-1).tolist()
+        for i, tok in zip(greedy, picks):
+            out[i] = tok
+    if sampled:
+        sub = logits[sampled]
+        params = [rows[i].params for i in sampled]
+        temps = torch.tensor([p.temperature for p in params], device=sub.device, dtype=sub.dtype)
+        probs = torch.softmax(sub / temps[:, None], dim=-1)
+        vocab = probs.shape[1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=sub.device)
+        top_p = torch.tensor([p.top_p for p in params], device=sub.device, dtype=sub.dtype)
+        min_p = torch.tensor([p.min_p for p in params], device=sub.device, dtype=sub.dtype)
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            probs = _filter_probs(probs, top_k, top_p, min_p)
+        for j, i in enumerate(sampled):
+            out[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator).item())
+    return out
+
+
+def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], top_n: list[int]) -> list[TokenLogprob]:
+    """Logprobs of the chosen tokens under the model's raw distribution (as vLLM/OpenAI report them)."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, device=raw_logits.device)
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+    result = []
+    max_top = max(top_n) if top_n else 0
+    top_vals, top_idx = (logprobs.topk(max_top, dim=-1) if max_top else (None, None))
+    for i, tok in enumerate(token_ids):
+        top = []
+        if top_n[i]:
+            top = list(zip(top_idx[i, :top_n[i]].tolist(), top_vals[i, :top_n[i]].tolist()))
+        result.append(TokenLogprob(token_id=tok, logprob=chosen[i], top=top))
+    return result

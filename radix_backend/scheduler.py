@@ -1,0 +1,481 @@
+"""Scheduler: one background thread that owns the radix cache, the KV slots and every running request.
+
+Each step it (1) takes new requests and aborts from its inbox, (2) keeps every running request
+decoding, evicting cached leaves or retracting a request when KV runs short, (3) admits waiting
+requests in cache-aware order (`lpm`: longest cached prefix first) within a prefill token budget,
+chunking a long prompt, and (4) runs one mixed forward (prefill chunks + decode tokens) and
+samples. Finished requests' tokens go into the radix tree so later calls reuse them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .errors import EngineShutdownError, RequestAbortedError
+from .model_runner import ForwardInput, ModelRunner
+from .radix_cache import RadixCache
+from .request import Req
+from .sampling import SamplerRow, sample, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
+DECODE_RESERVE_TOKENS = 16  # per running request, kept free when admitting new prompts
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    forward_steps: int = 0
+    generated_tokens: int = 0
+    retractions: int = 0
+    finished_requests: int = 0
+
+
+@dataclass
+class _Batch:
+    reqs: list[Req] = field(default_factory=list)
+    new_slots: list[torch.Tensor] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+
+    def add(self, req: Req, slots: torch.Tensor, n: int) -> None:
+        self.reqs.append(req)
+        self.new_slots.append(slots)
+        self.extend_lens.append(n)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, *, decode: Callable[[list[int], bool], str], page_size: int = 1,
+                 schedule_policy: str = "lpm", max_running_requests: int = 64, chunked_prefill_tokens: int = 2048,
+                 disable_radix_cache: bool = False, enable_jump_forward: bool = True, debug_slots: bool = False) -> None:
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
+        if chunked_prefill_tokens < 1:
+            raise ValueError(f"chunked_prefill_tokens must be >= 1, got {chunked_prefill_tokens}")
+        self.runner = runner
+        self.decode = decode
+        self.page_size = page_size
+        self.policy = schedule_policy
+        self.max_running = max_running_requests
+        self.prefill_budget = chunked_prefill_tokens
+        self.enable_jump_forward = enable_jump_forward
+        self.bitmask_factory: Callable[[int], torch.Tensor] | None = None  # set by the engine with constraints
+        self.allocator = runner.kv_pool.make_allocator(debug=debug_slots)
+        self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_radix_cache)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+        self._budget = 0
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards calls that touch the tree from other threads
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="radix-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- thread-safe entry points ---------------------------------------------------------
+    def submit(self, req: Req) -> None:
+        if self._stop.is_set():
+            raise EngineShutdownError("the engine is shut down; create a new Engine")
+        self._inbox.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[], object], timeout: float = 60.0) -> object:
+        """Run fn on the scheduler thread between steps (e.g. flush_cache, stats)."""
+        box: dict[str, object] = {}
+        done = threading.Event()
+        self._inbox.put(("call", (fn, box, done)))
+        if not done.wait(timeout):
+            raise TimeoutError("scheduler did not answer in time")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box.get("value")
+
+    def shutdown(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout=30)
+
+    # ---- loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.waiting and not self.running
+            self._drain_inbox(block=idle)
+            if self._stop.is_set():
+                break
+            try:
+                self._step()
+            except Exception as exc:  # a bug or a device error: fail the batch, keep serving
+                logger.exception("scheduler step failed")
+                for req in list(self.running) + list(self.waiting):
+                    self._finish(req, error=exc)
+        for req in list(self.running) + list(self.waiting):
+            self._finish(req, error=EngineShutdownError("the engine was shut down before this request finished"))
+        self._drain_inbox(block=False, shutting_down=True)
+
+    def _drain_inbox(self, block: bool, shutting_down: bool = False) -> None:
+        first = True
+        while True:
+            try:
+                kind, payload = self._inbox.get(timeout=0.5) if (block and first) else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            first = False
+            if kind == "add":
+                if shutting_down:
+                    payload.handle.fail(EngineShutdownError("the engine was shut down"))
+                else:
+                    self.waiting.append(payload)
+            elif kind == "abort":
+                self._abort(payload)
+            elif kind == "call":
+                fn, box, done = payload
+                try:
+                    box["value"] = fn()
+                except Exception as exc:
+                    box["error"] = exc
+                done.set()
+
+    def _abort(self, rid: str) -> None:
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid:
+                req.finish_reason = "abort"
+                self._finish(req)
+                return
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _step(self) -> None:
+        batch = _Batch()
+        self._budget = self.prefill_budget
+        self._schedule_running(batch)
+        self._schedule_waiting(batch)
+        if not batch.reqs:
+            if self.waiting and not self.running:
+                self._fail_unschedulable()
+            return
+        try:
+            logits = self.runner.forward(self._build_forward(batch))
+        except Exception as exc:
+            logger.exception("forward failed; failing its %d requests", len(batch.reqs))
+            for req, slots in zip(batch.reqs, batch.new_slots):
+                if slots.numel():
+                    self.allocator.free(slots)
+                self._finish(req, error=exc)
+            return
+        self.stats.forward_steps += 1
+        self._process_results(batch, logits)
+
+    def _schedule_running(self, batch: _Batch) -> None:
+        """Every running request computes its pending tokens (1 when decoding; the next chunk
+        when its prompt is still being prefilled); retract others when KV runs out."""
+        for req in sorted(self.running, key=lambda r: r.submit_time):
+            if req not in self.running:
+                continue  # retracted while making room for an earlier one
+            n = req.pending_tokens
+            if n > 1:  # still prefilling a chunked prompt (or forced tokens): within the budget
+                n = self._chunk_len(req)
+                if n <= 0:
+                    continue
+            slots = self._alloc(req, n)
+            while slots is None:
+                victim = max((r for r in self.running if r is not req and r not in batch.reqs),
+                             key=lambda r: r.submit_time, default=None)
+                if victim is None:
+                    break
+                self._retract(victim)
+                slots = self._alloc(req, n)
+            if slots is None:
+                self._retract(req)
+                continue
+            if n > 1:
+                self._budget -= n
+            batch.add(req, slots, n)
+
+    def _chunk_len(self, req: Req) -> int:
+        """Prefill tokens this request may compute now under the step's token budget."""
+        n = min(req.pending_tokens, self._budget)
+        if n < req.pending_tokens and self.page_size > 1:
+            n = n // self.page_size * self.page_size
+        return n
+
+    def _schedule_waiting(self, batch: _Batch) -> None:
+        self._order_waiting()
+        reserve = DECODE_RESERVE_TOKENS * len(self.running)
+        admitted: list[Req] = []
+        for req in list(self.waiting):
+            if self._budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
+                break
+            if req.last_node is None:
+                self._match(req)
+            n = self._chunk_len(req)
+            if n <= 0 or self._available() - reserve < n:
+                break  # not enough budget / KV now; keep the order (no starvation of long prompts)
+            slots = self._alloc(req, n)
+            if slots is None:
+                break
+            self._budget -= n
+            admitted.append(req)
+            batch.add(req, slots, n)
+        for req in admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
+        for req in self.waiting:  # unlock matches of requests that stay waiting; re-match next step
+            self._release_match(req)
+
+    def _order_waiting(self) -> None:
+        if self.policy == "fcfs" or len(self.waiting) <= 1:
+            return
+        for req in self.waiting:
+            if req.last_node is None:
+                self._match(req)
+        if self.policy == "lpm":
+            ordered = sorted(self.waiting, key=lambda r: -r.cached_len)
+        else:  # dfs-weight: group by the deepest shared tree node, heaviest subtree first
+            weight: dict[int, int] = {}
+            for r in self.waiting:
+                weight[id(r.last_node)] = weight.get(id(r.last_node), 0) + 1
+            ordered = sorted(self.waiting, key=lambda r: (-weight[id(r.last_node)], -r.cached_len))
+        self.waiting = deque(ordered)
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing runs and the head request cannot get KV even with an empty tree: fail it."""
+        head = self.waiting[0]
+        self.tree.evict(self.tree.evictable_size())
+        if self._available() < min(head.pending_tokens, self.prefill_budget):
+            self.waiting.popleft()
+            self._release_match(head)
+            from .errors import KVCacheTooSmallError
+            self._finish(head, error=KVCacheTooSmallError(
+                f"request {head.rid} needs {head.pending_tokens} KV slots but only {self._available()} can be freed; "
+                "raise kv_cache_tokens"))
+
+    # ---- KV bookkeeping ---------------------------------------------------------------------
+    def _available(self) -> int:
+        return self.allocator.num_free + self.tree.evictable_size()
+
+    def _alloc(self, req: Req, n: int) -> torch.Tensor | None:
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        last = int(req.slots[-1]) if req.kv_len else None
+        slots = self.allocator.alloc_extend(last, req.kv_len, n)
+        if slots is None:
+            need = self.allocator.pages_needed(req.kv_len, n) * self.page_size
+            self.tree.evict(max(need - self.allocator.num_free, 0))
+            slots = self.allocator.alloc_extend(last, req.kv_len, n)
+        return slots
+
+    def _match(self, req: Req) -> None:
+        """Match the request's tokens against the tree and lock the matched path."""
+        m = self.tree.match_prefix(req.fill_ids[:req.max_prefix_len])
+        self.tree.inc_lock_ref(m.last_node)
+        req.last_node = m.last_node
+        req.slots = m.slots.to(torch.int64)
+        req.kv_len = req.cached_len = len(m.slots)
+        if not req.admitted_once:
+            req.meta.cached_tokens = min(req.cached_len, len(req.prompt_ids))
+
+    def _release_match(self, req: Req) -> None:
+        if req.last_node is not None and req.kv_len == req.cached_len:
+            self.tree.dec_lock_ref(req.last_node)
+            req.last_node = None
+            req.slots = torch.empty(0, dtype=torch.int64)
+            req.kv_len = req.cached_len = 0
+
+    def _cache_req(self, req: Req, finished: bool) -> None:
+        """Hand the request's computed KV to the tree (SGLang cache_finished/unfinished_req)."""
+        tokens = req.fill_ids[:req.kv_len]
+        aligned = req.kv_len // self.page_size * self.page_size
+        already = self.tree.insert(tokens[:aligned], req.slots[:aligned])
+        if already > req.cached_len:
+            self.allocator.free(req.slots[req.cached_len:already])  # duplicates of what the tree has
+        old_node = req.last_node
+        if finished:
+            if aligned < req.kv_len:
+                self.allocator.free(req.slots[aligned:req.kv_len])
+            self.tree.dec_lock_ref(old_node)
+            req.last_node = None
+            req.slots = torch.empty(0, dtype=torch.int64)
+            req.kv_len = req.cached_len = 0
+            return
+        m = self.tree.match_prefix(tokens[:aligned])
+        self.tree.inc_lock_ref(m.last_node)
+        self.tree.dec_lock_ref(old_node)
+        req.last_node = m.last_node
+        req.slots = torch.cat([m.slots.to(torch.int64), req.slots[aligned:req.kv_len]])
+        req.cached_len = aligned
+
+    def _retract(self, req: Req) -> None:
+        """Preempt under memory pressure: keep its computed KV in the tree, requeue it first."""
+        self.running.remove(req)
+        self._cache_req(req, finished=True)
+        self.waiting.appendleft(req)
+        self.stats.retractions += 1
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _build_forward(self, batch: _Batch) -> ForwardInput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        kv_parts: list[torch.Tensor] = []
+        logits_indices: list[int] = []
+        batch.logit_rows = []  # type: ignore[attr-defined]
+        offset = 0
+        for req, slots, n in zip(batch.reqs, batch.new_slots, batch.extend_lens):
+            start = req.kv_len
+            input_ids.extend(req.fill_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            kv_parts.append(req.slots[:start])
+            kv_parts.append(slots)
+            rows = self._logit_positions(req, start, n)
+            batch.logit_rows.append(len(rows))  # type: ignore[attr-defined]
+            logits_indices.extend(offset + (p - start) for p in rows)
+            offset += n
+        return ForwardInput(input_ids=input_ids, positions=positions, prefix_lens=[r.kv_len for r in batch.reqs],
+                            extend_lens=batch.extend_lens, kv_indices=torch.cat(kv_parts),
+                            out_slots=torch.cat(batch.new_slots), logits_indices=logits_indices)
+
+    @staticmethod
+    def _logit_positions(req: Req, start: int, n: int) -> list[int]:
+        """Sequence positions whose logits this request needs from this forward."""
+        rows: list[int] = []
+        if req.input_logprob_start is not None:
+            lo = max(start, req.input_logprob_start - 1)
+            hi = min(start + n, len(req.prompt_ids) - 1)
+            rows.extend(range(lo, hi))
+        if start + n == req.seq_len and req.remaining_new_tokens > 0:
+            rows.append(start + n - 1)
+        return rows
+
+    def _process_results(self, batch: _Batch, logits: torch.Tensor) -> None:
+        to_sample: list[tuple[Req, int]] = []
+        row = 0
+        for req, slots, n, count in zip(batch.reqs, batch.new_slots, batch.extend_lens, batch.logit_rows):  # type: ignore[attr-defined]
+            start = req.kv_len
+            req.slots = torch.cat([req.slots, slots])
+            req.kv_len += n
+            wants_sample = start + n == req.seq_len and req.remaining_new_tokens > 0
+            n_input = count - (1 if wants_sample else 0)
+            if n_input:
+                self._record_input_logprobs(req, logits[row:row + n_input], start)
+            row += n_input
+            if wants_sample:
+                to_sample.append((req, row))
+                row += 1
+            if not req.admitted_once:
+                req.admitted_once = True
+                self.stats.prompt_tokens += len(req.prompt_ids)
+                self.stats.cached_tokens += req.meta.cached_tokens
+                req.meta.queue_time_s = time.perf_counter() - req.submit_time
+            if req.kv_len < req.seq_len:
+                if req.kv_len - req.cached_len >= self.page_size:
+                    self._cache_req(req, finished=False)  # chunked prefill: keep progress in the tree
+            elif not wants_sample and req.remaining_new_tokens == 0 and not req.finished:
+                req.finish_reason = "length"
+        if to_sample:
+            self._sample(to_sample, logits)
+        for req in list(batch.reqs):
+            if req.error is not None:
+                self._finish(req, error=req.error)
+            elif req.finished:
+                self._finish(req)
+            elif req.output_ids and req.handle.stream:
+                chunk = req.take_stream_chunk()
+                if chunk is not None:
+                    req.handle.push_chunk(chunk)
+
+    def _record_input_logprobs(self, req: Req, rows: torch.Tensor, start: int) -> None:
+        first = max(start, req.input_logprob_start - 1)  # type: ignore[operator]
+        targets = req.prompt_ids[first + 1:first + 1 + rows.shape[0]]
+        lp = torch.log_softmax(rows.float(), dim=-1)
+        req.input_logprobs.extend(lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist())
+
+    def _sample(self, items: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        reqs = [r for r, _ in items]
+        raw = logits[torch.tensor([i for _, i in items], device=logits.device)]
+        work = raw.clone()
+        constrained = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        if constrained:
+            from .constrained import apply_bitmask
+            mask = self.bitmask_factory(len(reqs))
+            for i in constrained:
+                reqs[i].constraint.fill_bitmask(mask, i)
+            apply_bitmask(work, mask, constrained)
+        rows = [SamplerRow(r.params, r.output_ids, r.prompt_ids, r.generator) for r in reqs]
+        tokens = sample(work, rows)
+        if any(r.params.logprobs for r in reqs):
+            lps = token_logprobs(raw, tokens, [r.params.top_logprobs for r in reqs])
+        now = time.perf_counter()
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            if not req.output_ids:
+                req.meta.first_token_time_s = now - req.submit_time
+            req.meta.decode_steps += 1
+            if req.params.logprobs:
+                req.output_logprobs.append(lps[i])
+            self._append_token(req, tok)
+            if req.constraint is not None and not req.finished:
+                try:
+                    self._advance_constraint(req, tok)
+                except Exception as exc:  # a grammar-engine error fails this request only
+                    req.error = exc
+            req.update_text(lambda ids, r=req: self.decode(ids, r.params.skip_special_tokens))
+        self.stats.generated_tokens += len(tokens)
+
+    def _append_token(self, req: Req, tok: int) -> None:
+        req.output_ids.append(tok)
+        req.check_token_stop(tok)
+
+    def _advance_constraint(self, req: Req, tok: int) -> None:
+        c = req.constraint
+        if tok in req.eos_token_ids and not req.params.ignore_eos:
+            return  # EOS was allowed by the grammar: already finished by check_token_stop
+        c.advance(tok)
+        if c.is_finished():
+            req.finish_reason = req.finish_reason or "stop"
+            return
+        if self.enable_jump_forward:
+            for forced in c.forced_tokens():
+                if req.finished:
+                    break
+                self._append_token(req, forced)
+            if not req.finished and c.is_finished():
+                req.finish_reason = "stop"
+
+    # ---- finishing ----------------------------------------------------------------------------
+    def _finish(self, req: Req, error: BaseException | None = None) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self._cache_req(req, finished=True)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+            if req.last_node is not None:
+                self._cache_req(req, finished=True)
+        if error is not None:
+            req.handle.fail(error)
+            return
+        self.stats.finished_requests += 1
+        if req.finish_reason == "abort":
+            req.handle.fail(RequestAbortedError(f"request {req.rid} was aborted"))
+            return
+        if req.handle.stream:
+            chunk = req.take_stream_chunk()
+            if chunk is not None:
+                req.handle.push_chunk(chunk)
+        req.handle.finish(req.build_output())
+
+    # ---- maintenance (run on the scheduler thread via call()) -------------------------------
+    def flush_cache(self) -> bool:
+        if self.running or self.waiting:
+            return False
+        self.tree.reset()
+        return True
