@@ -1,0 +1,134 @@
+"""Triton extend (prefill with a cached prefix) attention over the slot-indexed KV cache.
+
+Request b contributes new tokens q[qo_indptr[b]:qo_indptr[b+1]] at positions prefix_len ..
+seq_len-1. Each program owns BLOCK_M new tokens of one query head and runs an online softmax in
+two stages: (1) over the cached prefix, whose K/V rows are gathered through the slot table
+`kv_indices[kv_indptr[b] : kv_indptr[b] + prefix_len]`, no mask needed; (2) over the new tokens'
+own K/V, read contiguously from the k/v inputs, with the causal mask. Splitting the stages keeps
+the gather off the causal part and the mask off the prefix part.
+Modelled on SGLang's triton_ops/extend_attention.py, written from scratch here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, O,
+                   sm_scale_log2, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh, GROUP, HEAD_DIM,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    block_m = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(QO_INDPTR + b)
+    extend_len = tl.load(QO_INDPTR + b + 1) - q_start
+    if block_m * BLOCK_M >= extend_len:
+        return
+    kv_start = tl.load(KV_INDPTR + b)
+    prefix_len = tl.load(KV_INDPTR + b + 1) - kv_start - extend_len
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = offs_m < extend_len
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Stage 1: the cached prefix, every new token sees all of it.
+    for start in range(0, prefix_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nmask = offs_n < prefix_len
+        slots = tl.load(KV_INDICES + kv_start + offs_n, mask=nmask, other=0).to(tl.int64)
+        k = tl.load(K_CACHE + slots[:, None] * stride_kct + kv_head * stride_kch + offs_d[None, :],
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        v = tl.load(V_CACHE + slots[:, None] * stride_vct + kv_head * stride_vch + offs_d[None, :],
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    # Stage 2: the new tokens themselves, causal. Keys past this block's last row are never seen.
+    end = tl.minimum((block_m + 1) * BLOCK_M, extend_len)
+    for start in range(0, end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nmask = offs_n < extend_len
+        krows = (q_start + offs_n).to(tl.int64)
+        k = tl.load(K + krows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+        causal = (offs_m[:, None] >= offs_n[None, :]) & nmask[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past extend_len see nothing
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        v = tl.load(V + krows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=mmask[:, None] & dmask[None, :])
+
+
+def extend_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): smaller tiles for fp32 / wide heads to stay within shared memory."""
+    block_d = triton.next_power_of_2(head_dim)
+    if not on_gpu:
+        return 16, 16, 4
+    if dtype == torch.float32 or block_d > 128:
+        return 32, 32, 4
+    return 128, 64, 4 if block_d <= 64 else 8
+
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor, max_extend_len: int, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] new queries, k/v [T, Hkv, D] their keys/values; the prefix comes from the cache.
+
+    kv_indices for request b lists its prefix slots first; only those are read here (the new
+    tokens' K/V are taken from k/v directly). Returns [T, Hq, D] in q.dtype.
+    """
+    n_tokens, hq, dim = q.shape
+    hkv = k.shape[1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if out is None:
+        out = torch.empty_like(q)
+    bsz = qo_indptr.shape[0] - 1
+    if n_tokens == 0 or bsz == 0:
+        return out
+    block_m, block_n, num_warps = extend_block_sizes(dim, q.dtype, q.is_cuda)
+    grid = (bsz, hq, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k, v, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out, scale * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), hq // hkv, dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=1)
+    return out
