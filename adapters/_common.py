@@ -1,0 +1,203 @@
+"""Pieces every adapter needs: engine resolution, sampling kwargs, usage, JSON schemas, tool calls.
+
+Kept free of framework imports so each adapter only pulls in its own framework.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import uuid
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from radix_backend.errors import InvalidRequestError, MissingDependencyError
+from radix_backend.outputs import RequestMeta
+from radix_backend.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+# Names frameworks use for the same knob.
+_ALIASES = {"max_tokens": "max_new_tokens", "num_output": "max_new_tokens", "stop_sequences": "stop"}
+
+
+def require(module: str, extra: str, package: str | None = None) -> ModuleType:
+    """Import an optional framework or raise MissingDependencyError naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError.for_extra(package or module.split(".")[0], extra) from exc
+
+
+def resolve_engine(engine: Any, model: str | None) -> Any:
+    """The engine to use: the one given, else the process-shared engine for `model`."""
+    if engine is not None:
+        return engine
+    from radix_backend.engine import get_engine
+
+    return get_engine(model)
+
+
+def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any], *, stop: list[str] | None = None) -> SamplingParams:
+    """Merge adapter defaults and per-call kwargs into SamplingParams; unknown names are errors."""
+    merged: dict[str, Any] = {}
+    for source in (defaults, overrides):
+        for key, value in source.items():
+            name = _ALIASES.get(key, key)
+            if name not in _SAMPLING_FIELDS:
+                raise InvalidRequestError(
+                    f"unknown sampling argument {key!r}; use one of {sorted(_SAMPLING_FIELDS | set(_ALIASES))}")
+            if value is not None:
+                merged[name] = value
+    if stop:
+        merged["stop"] = list(merged.get("stop") or []) + [s for s in stop if s not in (merged.get("stop") or [])]
+    params = SamplingParams(**merged)
+    params.validate()
+    return params
+
+
+@dataclass
+class Usage:
+    """Token accounting of one request, in the names frameworks expect."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def from_meta(cls, meta: RequestMeta | None) -> "Usage":
+        if meta is None:
+            return cls(0, 0, 0)
+        return cls(meta.prompt_tokens, meta.completion_tokens, meta.cached_tokens)
+
+    def as_openai(self) -> dict[str, Any]:
+        """OpenAI-style usage dict (what LlamaIndex's token counter reads from `raw["usage"]`)."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens, "cached_tokens": self.cached_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def to_json_schema(schema: Any) -> tuple[dict[str, Any], str]:
+    """(JSON schema, name) of a pydantic class, a TypedDict, a JSON schema dict or an OpenAI tool dict."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"schema string is not valid JSON: {exc}") from exc
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        return schema.model_json_schema(), schema.__name__
+    if isinstance(schema, type) and hasattr(schema, "__annotations__") and hasattr(schema, "__total__"):
+        from pydantic import TypeAdapter
+
+        return TypeAdapter(schema).json_schema(), schema.__name__
+    if isinstance(schema, dict):
+        if schema.get("type") == "function" and isinstance(schema.get("function"), dict):  # OpenAI tool
+            fn = schema["function"]
+            return dict(fn.get("parameters") or {"type": "object", "properties": {}}), fn["name"]
+        if "name" in schema and "parameters" in schema:  # OpenAI function
+            return dict(schema["parameters"]), schema["name"]
+        if "type" in schema or "properties" in schema or "anyOf" in schema or "oneOf" in schema or "$ref" in schema:
+            return dict(schema), str(schema.get("title", "output"))
+    raise InvalidRequestError(
+        f"cannot derive a JSON schema from {schema!r}: pass a pydantic model class, a TypedDict, "
+        "a JSON schema dict or an OpenAI tool/function dict")
+
+
+@dataclass
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+TEXT_REPLY_KEY = "response"
+
+
+def tool_call_schema(tools: list[ToolSpec], *, allow_text: bool, parallel: bool = False) -> dict[str, Any]:
+    """JSON schema whose instances are exactly the allowed replies: one call of any tool
+    ({"name": <tool>, "arguments": {...}}), or, with allow_text, {"response": "<text>"}.
+
+    `$defs` of the tools' argument schemas are hoisted to the root so `#/$defs/...` refs resolve.
+    """
+    defs: dict[str, Any] = {}
+    options: list[dict[str, Any]] = []
+    for tool in tools:
+        params = dict(tool.parameters or {"type": "object", "properties": {}})
+        for key in ("$defs", "definitions"):
+            for def_name, def_schema in (params.pop(key, None) or {}).items():
+                if def_name in defs and defs[def_name] != def_schema:
+                    raise InvalidRequestError(f"tools define conflicting schemas named {def_name!r}; rename one")
+                defs[def_name] = def_schema
+        params.pop("title", None)
+        options.append({"type": "object", "properties": {"name": {"const": tool.name}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    if allow_text:
+        options.append({"type": "object", "properties": {TEXT_REPLY_KEY: {"type": "string"}},
+                        "required": [TEXT_REPLY_KEY], "additionalProperties": False})
+    call: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1} if parallel else dict(call)
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def tool_instructions(tools: list[ToolSpec], *, allow_text: bool) -> str:
+    """System text telling the model which tools exist and what a reply looks like."""
+    listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
+                        for t in tools)
+    text = ("You can call these tools:\n" + listing +
+            '\nTo call a tool, reply with JSON: {"name": <tool name>, "arguments": <arguments object>}.')
+    if allow_text:
+        text += f'\nTo answer without a tool, reply with JSON: {{"{TEXT_REPLY_KEY}": <your answer>}}.'
+    return text
+
+
+@dataclass
+class ParsedToolReply:
+    text: str  # answer text when the model chose not to call a tool
+    calls: list[dict[str, Any]]  # [{"name", "args", "id"}]
+
+
+def parse_tool_reply(raw: str) -> ParsedToolReply:
+    """Split a constrained tool-call reply into plain text or tool calls."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:  # only when generation hit max_new_tokens mid-object
+        raise InvalidRequestError(
+            f"tool-call reply is not complete JSON (raise max_tokens?): {raw[:200]!r}") from exc
+    items = data if isinstance(data, list) else [data]
+    text_parts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, dict) and TEXT_REPLY_KEY in item and "name" not in item:
+            text_parts.append(str(item[TEXT_REPLY_KEY]))
+        elif isinstance(item, dict) and "name" in item:
+            calls.append({"name": item["name"], "args": item.get("arguments") or {},
+                          "id": f"call_{uuid.uuid4().hex[:24]}"})
+        else:
+            raise InvalidRequestError(f"unexpected tool-call reply item: {item!r}")
+    return ParsedToolReply(text="\n".join(text_parts), calls=calls)
+
+
+def message_text(content: Any) -> str:
+    """Text of a message content that may be a string or a list of content blocks."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for block in content:
+            if isinstance(block, str):
+                parts.append(block)
+            elif isinstance(block, dict) and block.get("type") == "text":
+                parts.append(str(block.get("text", "")))
+            else:
+                raise InvalidRequestError(f"only text content is supported by this engine, got block {block!r}")
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise InvalidRequestError(f"unsupported message content {type(content).__name__}")

@@ -1,0 +1,491 @@
+"""LangChain adapter: `RadixChatModel` (BaseChatModel) and `RadixLLM` (BaseLLM) on the radix engine.
+
+`batch`/`abatch` hand all inputs to the engine in ONE `generate` call, so prompts sharing a
+system prompt or few-shot prefix are prefilled once and served from the radix cache.
+Structured output and tool calls are decoded under a JSON-schema constraint, so they always parse.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from operator import itemgetter
+from typing import Any, Callable
+
+from ._common import (
+    ParsedToolReply,
+    ToolSpec,
+    Usage,
+    message_text,
+    parse_tool_reply,
+    require,
+    resolve_engine,
+    sampling_params,
+    to_json_schema,
+    tool_call_schema,
+    tool_instructions,
+)
+
+require("langchain_core", "langchain", "langchain-core")
+
+from langchain_core.callbacks import (  # noqa: E402
+    AsyncCallbackManager,
+    AsyncCallbackManagerForLLMRun,
+    CallbackManager,
+    CallbackManagerForLLMRun,
+)
+from langchain_core.globals import get_llm_cache  # noqa: E402
+from langchain_core.language_models import BaseChatModel, BaseLLM, LanguageModelInput  # noqa: E402
+from langchain_core.messages import (  # noqa: E402
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata  # noqa: E402
+from langchain_core.outputs import (  # noqa: E402
+    ChatGeneration,
+    ChatGenerationChunk,
+    ChatResult,
+    Generation,
+    GenerationChunk,
+    LLMResult,
+)
+from langchain_core.runnables import (  # noqa: E402
+    Runnable,
+    RunnableConfig,
+    RunnableLambda,
+    RunnableMap,
+    RunnablePassthrough,
+)
+from langchain_core.runnables.config import get_config_list  # noqa: E402
+from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field, model_validator  # noqa: E402
+
+from radix_backend.errors import InvalidRequestError  # noqa: E402
+from radix_backend.outputs import GenerateOutput  # noqa: E402
+from radix_backend.sampling_params import SamplingParams  # noqa: E402
+
+__all__ = ["RadixChatModel", "RadixLLM"]
+
+_IGNORED_KWARGS = ("stream", "ls_structured_output_format", "structured_output_format")
+
+
+class _EngineFields(BaseModel):
+    """Construction and sampling defaults shared by the chat and the text-completion model."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Any = Field(default=None, exclude=True)
+    """An existing `radix_backend.Engine`; when None, the process-shared engine of `model` is used."""
+    model: str | None = None
+    """Checkpoint path for `radix_backend.get_engine(model)`; None means the embedded SmolLM2."""
+    max_tokens: int = 256
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    streaming: bool = False
+    """When True, `invoke` streams internally so callbacks see every token."""
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Any other SamplingParams field (e.g. regex, json_schema, ignore_eos)."""
+
+    @model_validator(mode="after")
+    def _attach_engine(self) -> Any:
+        self.engine = resolve_engine(self.engine, self.model)
+        return self
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "min_p": self.min_p, "frequency_penalty": self.frequency_penalty,
+                "presence_penalty": self.presence_penalty, "repetition_penalty": self.repetition_penalty,
+                "seed": self.seed, "stop": self.stop, **self.model_kwargs}
+
+    def _params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
+        overrides = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS}
+        return sampling_params(self._sampling_defaults(), overrides, stop=stop)
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model or "radix-backend", **{k: v for k, v in self._sampling_defaults().items()
+                                                            if v is not None}}
+
+
+def usage_metadata(usage: Usage) -> UsageMetadata:
+    """LangChain usage record; `input_token_details.cache_read` = prompt tokens served from the radix cache."""
+    return UsageMetadata(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                         total_tokens=usage.total_tokens, input_token_details={"cache_read": usage.cached_tokens})
+
+
+def _sum_usage(outputs: Sequence[GenerateOutput]) -> dict[str, Any]:
+    total = Usage(0, 0, 0)
+    for out in outputs:
+        u = Usage.from_meta(out.meta)
+        total = Usage(total.prompt_tokens + u.prompt_tokens, total.completion_tokens + u.completion_tokens,
+                      total.cached_tokens + u.cached_tokens)
+    return total.as_openai()
+
+
+def to_engine_message(message: BaseMessage) -> dict[str, Any]:
+    """A LangChain message as the engine's {"role", "content"} dict."""
+    if isinstance(message, SystemMessage):
+        return {"role": "system", "content": message_text(message.content)}
+    if isinstance(message, HumanMessage):
+        return {"role": "user", "content": message_text(message.content)}
+    if isinstance(message, AIMessage):
+        if message.tool_calls:  # replay earlier calls in the same JSON shape the model produces
+            calls = [{"name": c["name"], "arguments": c["args"]} for c in message.tool_calls]
+            return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
+        return {"role": "assistant", "content": message_text(message.content)}
+    if isinstance(message, ToolMessage):
+        return {"role": "tool", "content": message_text(message.content)}
+    if isinstance(message, ChatMessage):
+        return {"role": message.role, "content": message_text(message.content)}
+    raise InvalidRequestError(f"unsupported message type {type(message).__name__}")
+
+
+@dataclass
+class _Prepared:
+    """One chat request ready for the engine."""
+
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    tool_mode: bool  # reply is a constrained tool-call JSON to parse
+
+
+def _tool_specs(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[ToolSpec], bool]:
+    """(tools allowed in the reply, whether a plain-text reply is allowed) for a tool_choice."""
+    specs = []
+    for tool in tools:
+        fn = convert_to_openai_tool(tool)["function"]
+        specs.append(ToolSpec(fn["name"], fn.get("description", ""), fn.get("parameters") or {}))
+    if tool_choice in (None, "auto"):
+        return specs, True
+    if tool_choice in ("any", "required", True):
+        return specs, False
+    if isinstance(tool_choice, dict):
+        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    chosen = [s for s in specs if s.name == tool_choice]
+    if not chosen:
+        raise InvalidRequestError(f"tool_choice {tool_choice!r} names no bound tool; bound: {[s.name for s in specs]}")
+    return chosen, False
+
+
+def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def _ai_message(out: GenerateOutput, tool_mode: bool, model_name: str, chunk: bool = False) -> AIMessage:
+    usage = usage_metadata(Usage.from_meta(out.meta))
+    meta = {"finish_reason": out.finish_reason, "model_name": model_name}
+    cls = AIMessageChunk if chunk else AIMessage
+    if not tool_mode:
+        return cls(content=out.text, usage_metadata=usage, response_metadata=meta)
+    try:
+        parsed: ParsedToolReply = parse_tool_reply(out.text)
+    except InvalidRequestError as exc:
+        return cls(content="", usage_metadata=usage, response_metadata=meta, invalid_tool_calls=[
+            {"name": None, "args": out.text, "id": None, "error": str(exc), "type": "invalid_tool_call"}])
+    if chunk:
+        return AIMessageChunk(content=parsed.text, usage_metadata=usage, response_metadata=meta, tool_call_chunks=[
+            {"name": c["name"], "args": json.dumps(c["args"]), "id": c["id"], "index": i, "type": "tool_call_chunk"}
+            for i, c in enumerate(parsed.calls)])
+    return AIMessage(content=parsed.text, usage_metadata=usage, response_metadata=meta,
+                     tool_calls=[{**c, "type": "tool_call"} for c in parsed.calls])
+
+
+def _parse_structured(schema: Any, message: AIMessage) -> Any:
+    text = message_text(message.content)
+    if isinstance(schema, type) and hasattr(schema, "model_validate_json"):
+        return schema.model_validate_json(text)
+    return json.loads(text)
+
+
+class RadixChatModel(_EngineFields, BaseChatModel):
+    """LangChain chat model running on the radix engine (chat template applied by the engine)."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "radix-backend-chat"
+
+    # -- request preparation -------------------------------------------------------------
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Prepared:
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None)
+        tool_choice = kwargs.pop("tool_choice", None)
+        parallel = bool(kwargs.pop("parallel_tool_calls", False))
+        engine_messages = [to_engine_message(m) for m in messages]
+        tool_mode = bool(tools) and tool_choice != "none"
+        if tool_mode:
+            specs, allow_text = _tool_specs(tools, tool_choice)
+            kwargs["json_schema"] = tool_call_schema(specs, allow_text=allow_text, parallel=parallel)
+            engine_messages = _with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text))
+        return _Prepared(engine_messages, self._params(stop, kwargs), tool_mode)
+
+    def _result(self, out: GenerateOutput, tool_mode: bool) -> ChatResult:
+        message = _ai_message(out, tool_mode, self.model or "radix-backend")
+        return ChatResult(generations=[ChatGeneration(message=message,
+                                                      generation_info={"finish_reason": out.finish_reason})],
+                          llm_output={"token_usage": _sum_usage([out]), "model_name": self.model or "radix-backend"})
+
+    # -- single requests -------------------------------------------------------------------
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        req = self._prepare(messages, stop, kwargs)
+        out = self.engine.generate(messages=req.messages, params=req.params)
+        return self._result(out, req.tool_mode)
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        req = self._prepare(messages, stop, kwargs)
+        out = await self.engine.agenerate(messages=req.messages, params=req.params)
+        return self._result(out, req.tool_mode)
+
+    def _stream_chunk(self, chunk: Any, tool_mode: bool) -> ChatGenerationChunk:
+        if chunk.finish_reason is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
+        message = AIMessageChunk(content=chunk.text, chunk_position="last",
+                                 usage_metadata=usage_metadata(Usage.from_meta(chunk.meta)),
+                                 response_metadata={"finish_reason": chunk.finish_reason,
+                                                    "model_name": self.model or "radix-backend"})
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": chunk.finish_reason})
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        # The base class reports each yielded chunk to on_llm_new_token.
+        req = self._prepare(messages, stop, kwargs)
+        if req.tool_mode:  # a tool call is only meaningful once complete
+            out = self.engine.generate(messages=req.messages, params=req.params)
+            yield ChatGenerationChunk(message=_ai_message(out, True, self.model or "radix-backend", chunk=True),
+                                      generation_info={"finish_reason": out.finish_reason})
+            return
+        for chunk in self.engine.stream(messages=req.messages, params=req.params):
+            yield self._stream_chunk(chunk, False)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        req = self._prepare(messages, stop, kwargs)
+        if req.tool_mode:
+            out = await self.engine.agenerate(messages=req.messages, params=req.params)
+            yield ChatGenerationChunk(message=_ai_message(out, True, self.model or "radix-backend", chunk=True),
+                                      generation_info={"finish_reason": out.finish_reason})
+            return
+        async for chunk in self.engine.astream(messages=req.messages, params=req.params):
+            yield self._stream_chunk(chunk, False)
+
+    # -- batches: one engine call ---------------------------------------------------------
+    def _batchable(self, configs: list[RunnableConfig], kwargs: dict[str, Any], async_api: bool) -> bool:
+        """One-call batching skips LangChain's per-call cache and streaming paths; use it only when
+        neither is active, else fall back to the base (threaded invoke, still batched by the scheduler)."""
+        if self.rate_limiter is not None:
+            return False
+        if self.cache is not False and (self.cache is not None or get_llm_cache() is not None):
+            return False
+        for cfg in configs:
+            manager = CallbackManager.configure(cfg.get("callbacks"), self.callbacks, self.verbose)
+            if self._should_stream(async_api=async_api, run_manager=manager, **kwargs) or \
+                    self._should_use_protocol_streaming(async_api=async_api, run_manager=manager, **kwargs):
+                return False
+        return True
+
+    def _start_kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        params = self._get_invocation_params(stop=stop, **kwargs)
+        ls_params = self._get_ls_params(stop=stop, **kwargs)
+        return params, ls_params
+
+    def _finish(self, outs: Sequence[GenerateOutput], prepared: Sequence[_Prepared], run_ids: Sequence[Any]
+                ) -> tuple[list[AIMessage], list[LLMResult]]:
+        messages, results = [], []
+        for out, req, run_id in zip(outs, prepared, run_ids):
+            result = self._result(out, req.tool_mode)
+            gen = result.generations[0]
+            gen.message.id = f"lc_run--{run_id}"
+            gen.message.response_metadata = {**(result.llm_output or {}), **gen.message.response_metadata}
+            messages.append(gen.message)
+            results.append(LLMResult(generations=[[gen]], llm_output=result.llm_output))
+        return messages, results
+
+    def batch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig] | None = None,
+              *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """All inputs go to the engine as one `generate` call (one scheduler batch sharing prefix KV)."""
+        if not inputs:
+            return []
+        configs = get_config_list(config, len(inputs))
+        if not self._batchable(configs, kwargs, async_api=False):
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        stop = kwargs.pop("stop", None)
+        for key in _IGNORED_KWARGS:
+            kwargs.pop(key, None)
+        message_lists = [self._convert_input(x).to_messages() for x in inputs]
+        params, ls_params = self._start_kwargs(stop, kwargs)
+        run_managers = []
+        for msgs, cfg in zip(message_lists, configs):
+            manager = CallbackManager.configure(cfg.get("callbacks"), self.callbacks, self.verbose, cfg.get("tags"),
+                                                self.tags, {**(cfg.get("metadata") or {}), **ls_params}, self.metadata)
+            (rm,) = manager.on_chat_model_start(self._serialized, [msgs], invocation_params=params,
+                                                options={"stop": stop}, name=cfg.get("run_name"),
+                                                run_id=cfg.get("run_id"), batch_size=len(inputs))
+            run_managers.append(rm)
+        try:
+            prepared = [self._prepare(m, stop, kwargs) for m in message_lists]
+            outs = self.engine.generate(messages=[p.messages for p in prepared], params=[p.params for p in prepared])
+        except Exception as exc:
+            for rm in run_managers:
+                rm.on_llm_error(exc)
+            if return_exceptions:
+                return [exc for _ in inputs]
+            raise
+        messages, results = self._finish(outs, prepared, [rm.run_id for rm in run_managers])
+        for rm, res in zip(run_managers, results):
+            rm.on_llm_end(res)
+        return messages
+
+    async def abatch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig] | None = None,
+                     *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """Async form of `batch`: one `agenerate` call."""
+        if not inputs:
+            return []
+        configs = get_config_list(config, len(inputs))
+        if not self._batchable(configs, kwargs, async_api=True):
+            return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        stop = kwargs.pop("stop", None)
+        for key in _IGNORED_KWARGS:
+            kwargs.pop(key, None)
+        message_lists = [self._convert_input(x).to_messages() for x in inputs]
+        params, ls_params = self._start_kwargs(stop, kwargs)
+        run_managers = []
+        for msgs, cfg in zip(message_lists, configs):
+            manager = AsyncCallbackManager.configure(cfg.get("callbacks"), self.callbacks, self.verbose,
+                                                     cfg.get("tags"), self.tags,
+                                                     {**(cfg.get("metadata") or {}), **ls_params}, self.metadata)
+            (rm,) = await manager.on_chat_model_start(self._serialized, [msgs], invocation_params=params,
+                                                      options={"stop": stop}, name=cfg.get("run_name"),
+                                                      run_id=cfg.get("run_id"), batch_size=len(inputs))
+            run_managers.append(rm)
+        try:
+            prepared = [self._prepare(m, stop, kwargs) for m in message_lists]
+            outs = await self.engine.agenerate(messages=[p.messages for p in prepared],
+                                               params=[p.params for p in prepared])
+        except Exception as exc:
+            for rm in run_managers:
+                await rm.on_llm_error(exc)
+            if return_exceptions:
+                return [exc for _ in inputs]
+            raise
+        messages, results = self._finish(outs, prepared, [rm.run_id for rm in run_managers])
+        for rm, res in zip(run_managers, results):
+            await rm.on_llm_end(res)
+        return messages
+
+    # -- tools and structured output ----------------------------------------------------
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | Any], *,
+                   tool_choice: str | dict | bool | None = None, parallel_tool_calls: bool = False,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools; replies are decoded under a JSON schema of the tools' calls and parsed into
+        `AIMessage.tool_calls`. tool_choice: "auto" (default: a call or a plain answer), "any"/"required",
+        a tool name, or "none"."""
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        return self.bind(tools=formatted, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls, **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type, *, include_raw: bool = False,
+                               method: str = "json_schema", **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+        """Outputs decoded under `SamplingParams(json_schema=...)`; pydantic schemas return instances,
+        JSON schema / TypedDict schemas return dicts. method="function_calling" goes through bind_tools."""
+        kwargs.pop("strict", None)
+        if kwargs:
+            raise InvalidRequestError(f"with_structured_output got unsupported arguments {sorted(kwargs)}")
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw)
+        if method not in ("json_schema", "json_mode"):
+            raise InvalidRequestError(f"method must be 'json_schema' or 'function_calling', got {method!r}")
+        json_schema, _ = to_json_schema(schema)
+        llm = self.bind(json_schema=json_schema,
+                        ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema})
+        parser = RunnableLambda(partial(_parse_structured, schema))
+        if not include_raw:
+            return llm | parser
+        parse_ok = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        parse_failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse_ok.with_fallbacks([parse_failed], exception_key="parsing_error")
+
+
+class RadixLLM(_EngineFields, BaseLLM):
+    """LangChain text-completion model on the radix engine (prompt used verbatim, no chat template).
+
+    BaseLLM already turns `batch` into one `_generate(prompts)` call, which becomes one engine call.
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "radix-backend"
+
+    def _llm_result(self, outs: Sequence[GenerateOutput]) -> LLMResult:
+        generations = [[Generation(text=o.text, generation_info={
+            "finish_reason": o.finish_reason, "usage": Usage.from_meta(o.meta).as_openai()})] for o in outs]
+        return LLMResult(generations=generations,
+                         llm_output={"token_usage": _sum_usage(outs), "model_name": self.model or "radix-backend"})
+
+    def _generate(self, prompts: list[str], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+        params = self._params(stop, kwargs)
+        if self.streaming:  # token callbacks need the streaming path, one prompt at a time
+            outs = [self._collect(self._stream(p, stop, run_manager, **kwargs)) for p in prompts]
+            return self._llm_result(outs)
+        outs = self.engine.generate(list(prompts), [params] * len(prompts))
+        return self._llm_result(outs)
+
+    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+        params = self._params(stop, kwargs)
+        outs = await self.engine.agenerate(list(prompts), [params] * len(prompts))
+        return self._llm_result(outs)
+
+    @staticmethod
+    def _collect(chunks: Iterator[GenerationChunk]) -> GenerateOutput:
+        from radix_backend.outputs import RequestMeta
+
+        text, info = "", {}
+        for c in chunks:
+            text += c.text
+            info = c.generation_info or info
+        u = info.get("usage") or {}
+        meta = RequestMeta(prompt_tokens=u.get("prompt_tokens", 0), cached_tokens=u.get("cached_tokens", 0),
+                           completion_tokens=u.get("completion_tokens", 0))
+        return GenerateOutput(text=text, token_ids=[], finish_reason=info.get("finish_reason", "stop"), meta=meta)
+
+    @staticmethod
+    def _chunk(chunk: Any) -> GenerationChunk:
+        info = None
+        if chunk.finish_reason is not None:
+            info = {"finish_reason": chunk.finish_reason, "usage": Usage.from_meta(chunk.meta).as_openai()}
+        return GenerationChunk(text=chunk.text, generation_info=info)
+
+    def _stream(self, prompt: str, stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
+        for chunk in self.engine.stream(prompt, self._params(stop, kwargs)):
+            gen = self._chunk(chunk)
+            if run_manager is not None:
+                run_manager.on_llm_new_token(gen.text, chunk=gen)
+            yield gen
+
+    async def _astream(self, prompt: str, stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[GenerationChunk]:
+        async for chunk in self.engine.astream(prompt, self._params(stop, kwargs)):
+            gen = self._chunk(chunk)
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(gen.text, chunk=gen)
+            yield gen
