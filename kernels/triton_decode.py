@@ -74,10 +74,10 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
 
     if hi > lo:
         base = b * stride_mb + heads * stride_mh + split * stride_ms
-        out = acc / l_i[:, None]
-        tl.store(MID_O + base[:, None] + offs_d[None, :], out, mask=hmask[:, None] & dmask[None, :])
+        l_safe = tl.where(hmask, l_i, 1.0)  # padded head rows saw nothing
+        tl.store(MID_O + base[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=hmask[:, None] & dmask[None, :])
         # log2-sum-exp2 of the scaled scores of this split.
-        tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i), mask=hmask)
+        tl.store(MID_LSE + b * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_safe), mask=hmask)
 
 
 @triton.jit

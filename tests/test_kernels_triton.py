@@ -1,0 +1,253 @@
+"""Triton kernels (attention extend/decode, fused ops) vs the torch reference.
+
+On CPU the kernels run under Triton's interpreter. TRITON_INTERPRET must be set before triton is
+imported and must not leak into other test modules, so in a normal pytest run this module's
+kernel tests are skipped and one driver test re-runs this file in a subprocess with
+TRITON_INTERPRET=1. With CUDA present the same tests run compiled on the GPU instead.
+
+Known interpreter limit: its tl.dot reinterprets bf16 bits, so bf16 attention is only checked
+on CUDA (here under `gpu`) and by radix_backend.bench.gpu_check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+RUN_KERNELS = HAS_TRITON and (INTERPRET or HAS_CUDA)
+DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+kernel_test = pytest.mark.skipif(not RUN_KERNELS, reason="runs in the TRITON_INTERPRET=1 subprocess (driver test)")
+
+
+@pytest.mark.skipif(INTERPRET or HAS_CUDA, reason="kernels run directly in this process")
+def test_kernels_under_triton_interpreter() -> None:
+    """Driver: runs this file's kernel tests with TRITON_INTERPRET=1 in a fresh interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
+           str(Path(__file__).resolve())]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def make_batch(prefix_lens: list[int], extend_lens: list[int], hq: int, hkv: int, dim: int,
+               dtype: torch.dtype, seed: int = 0, device: str = DEVICE):
+    """Random ragged batch whose sequences occupy shuffled KV slots (slot 0 left unused)."""
+    from radix_backend.kernels.attention_base import AttentionMetadata
+    g = torch.Generator().manual_seed(seed)
+    seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_slots = sum(seq) + 9
+    perm = torch.randperm(num_slots - 1, generator=g)[: sum(seq)] + 1
+    out_slots, off = [], 0
+    for p, s in zip(prefix_lens, seq):
+        out_slots.append(perm[off + p: off + s])
+        off += s
+    meta = AttentionMetadata.build(prefix_lens, extend_lens, perm.to(device), torch.cat(out_slots).to(device), device)
+    n = sum(extend_lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+    return rnd(n, hq, dim), rnd(n, hkv, dim), rnd(n, hkv, dim), rnd(num_slots, hkv, dim), rnd(num_slots, hkv, dim), meta
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def run_both(backend, prefix_lens, extend_lens, hq, hkv, dim, dtype, seed=0):
+    from radix_backend.kernels.torch_backend import TorchAttentionBackend
+    q, k, v, kc, vc, meta = make_batch(prefix_lens, extend_lens, hq, hkv, dim, dtype, seed)
+    scale = dim ** -0.5
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, kc_ref, vc_ref, meta, scale)
+    backend.begin_forward(meta)
+    out = backend.forward(q, k, v, kc, vc, meta, scale)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), "new K/V must land at out_slots"
+    return out, ref
+
+
+def tol(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+ATTN_DTYPES = [torch.float32, torch.float16] + ([pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+                                                if DEVICE == "cuda" else [])
+
+
+# ----------------------------------------------------------------------------- extend
+
+@kernel_test
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])  # GQA ratios 1, 3, 4
+@pytest.mark.parametrize("dim", [64, 128])
+def test_extend_matches_torch(dtype, hq, hkv, dim) -> None:
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    # Ragged: prefix 0 and non-zero, extends shorter/longer than one 16-row block, a 1-token extend.
+    out, ref = run_both(TritonAttentionBackend(), [0, 5, 37, 0], [3, 20, 1, 17], hq, hkv, dim, dtype,
+                        seed=hq * 7 + dim)
+    assert rel_err(out, ref) < tol(dtype)
+
+
+@kernel_test
+def test_extend_odd_head_dim_and_long_prefix() -> None:
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    out, ref = run_both(TritonAttentionBackend(), [70, 0], [5, 33], 3, 1, 80, torch.float32, seed=3)
+    assert rel_err(out, ref) < 1e-5
+
+
+@kernel_test
+def test_extend_kernel_direct_reads_new_kv_from_inputs() -> None:
+    """extend_attention takes the new tokens' K/V from k/v, so a stale cache must not matter."""
+    from radix_backend.kernels.torch_backend import TorchAttentionBackend
+    from radix_backend.kernels.triton_extend import extend_attention
+    q, k, v, kc, vc, meta = make_batch([4, 0], [6, 9], 4, 2, 64, torch.float32, seed=5)
+    ref = TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+    out = extend_attention(q, k, v, kc, vc, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, 9, 0.125)
+    assert rel_err(out, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------- decode
+
+@kernel_test
+@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_matches_torch(dtype, hq, hkv, dim) -> None:
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    # min_split_len 8 forces several splits, including requests shorter than one split.
+    backend = TritonAttentionBackend(num_kv_splits=4, min_split_len=8)
+    out, ref = run_both(backend, [0, 9, 40, 3], [1, 1, 1, 1], hq, hkv, dim, dtype, seed=hq + dim)
+    assert rel_err(out, ref) < tol(dtype)
+
+
+@kernel_test
+@pytest.mark.parametrize("splits", [1, 2, 3, 16])
+def test_decode_split_count_does_not_change_result(splits: int) -> None:
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    out, ref = run_both(TritonAttentionBackend(num_kv_splits=splits, min_split_len=4), [0, 30, 61], [1, 1, 1],
+                        12, 3, 64, torch.float32, seed=splits)
+    assert rel_err(out, ref) < 1e-5
+
+
+@kernel_test
+def test_decode_group_larger_than_head_block() -> None:
+    """GQA group 32 > the kernel's 16-head block: two programs per KV head."""
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    out, ref = run_both(TritonAttentionBackend(num_kv_splits=2, min_split_len=8), [12, 25], [1, 1], 32, 1, 64,
+                        torch.float32)
+    assert rel_err(out, ref) < 1e-5
+
+
+@kernel_test
+def test_backend_reuses_plan_across_layers_and_replans_per_batch() -> None:
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    from radix_backend.kernels.torch_backend import TorchAttentionBackend
+    backend = TritonAttentionBackend(min_split_len=8)
+    for seed, (prefix, extend) in enumerate([([5, 17], [1, 1]), ([3, 0, 8], [4, 2, 1]), ([40], [1])]):
+        q, k, v, kc, vc, meta = make_batch(prefix, extend, 4, 2, 64, torch.float32, seed)
+        ref = TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, 0.1)
+        backend.begin_forward(meta)
+        for _layer in range(2):
+            out = backend.forward(q, k, v, kc, vc, meta, 0.1)
+            assert rel_err(out, ref) < 1e-5
+
+
+def test_default_num_kv_splits_bounds() -> None:
+    from radix_backend.kernels.triton_decode import default_num_kv_splits
+    assert default_num_kv_splits(1, 1) == 16
+    assert default_num_kv_splits(64, 8) == 1
+    assert 1 <= default_num_kv_splits(8, 2, num_sms=132) <= 16
+
+
+def test_mismatched_heads_raise() -> None:
+    from radix_backend.kernels.triton_decode import decode_attention
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(torch.randn(1, 5, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
+                         torch.tensor([0, 1]), torch.tensor([1]), 1.0)
+
+
+# ----------------------------------------------------------------------------- fused ops
+
+OPS_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def ops_tol(dtype: torch.dtype) -> dict:
+    # The interpreter rounds bf16 by truncation, so allow one bf16 ulp there.
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
+            torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}[dtype]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", OPS_DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 576])
+def test_triton_rms_norm(dtype, hidden) -> None:
+    from radix_backend.kernels import ops, triton_ops
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(7, hidden, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(hidden, generator=g).to(dtype).to(DEVICE)
+    torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-5), ops.rms_norm_torch(x, w, 1e-5), **ops_tol(dtype))
+    y, res = triton_ops.fused_add_rms_norm(x, r, w, 1e-5)
+    y_ref, res_ref = ops.fused_add_rms_norm_torch(x, r, w, 1e-5)
+    torch.testing.assert_close(res, res_ref, **ops_tol(dtype))
+    torch.testing.assert_close(y, y_ref, **ops_tol(dtype))
+
+
+@kernel_test
+def test_triton_rms_norm_strided_3d_input() -> None:
+    from radix_backend.kernels import ops, triton_ops
+    x = torch.randn(3, 4, 128, device=DEVICE)[:, :, :64]  # non-contiguous rows
+    w = torch.randn(64, device=DEVICE)
+    torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-6), ops.rms_norm_torch(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", OPS_DTYPES)
+@pytest.mark.parametrize("d", [5, 64, 1536])
+def test_triton_silu_and_mul(dtype, d) -> None:
+    from radix_backend.kernels import ops, triton_ops
+    x = torch.randn(2, 3, 2 * d, generator=torch.Generator().manual_seed(d)).to(dtype).to(DEVICE)
+    torch.testing.assert_close(triton_ops.silu_and_mul(x), ops.silu_and_mul_torch(x), **ops_tol(dtype))
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", OPS_DTYPES)
+@pytest.mark.parametrize("hq,hkv,dim,rot", [(9, 3, 64, 64), (4, 4, 128, 128), (20, 4, 96, 48)])
+def test_triton_rotary(dtype, hq, hkv, dim, rot) -> None:
+    from radix_backend.kernels import ops, triton_ops
+    g = torch.Generator().manual_seed(dim + hq)
+    cache = ops.build_cos_sin_cache(ops.default_inv_freq(rot, 10000.0), 128).to(DEVICE)
+    qkv = torch.randn(11, (hq + 2 * hkv) * dim, generator=g).to(dtype).to(DEVICE)
+    # Strided views of a fused qkv projection, as the model passes them.
+    q = qkv[:, : hq * dim].reshape(11, hq, dim)
+    k = qkv[:, hq * dim: (hq + hkv) * dim].reshape(11, hkv, dim)
+    pos = torch.randint(0, 128, (11,), generator=g).to(DEVICE)
+    q_before, k_before = q.clone(), k.clone()
+    q2, k2 = triton_ops.apply_rotary(q, k, pos, cache)
+    q_ref, k_ref = ops.apply_rotary_torch(q, k, pos, cache)
+    torch.testing.assert_close(q2, q_ref, **ops_tol(dtype))
+    torch.testing.assert_close(k2, k_ref, **ops_tol(dtype))
+    assert torch.equal(q, q_before) and torch.equal(k, k_before), "apply_rotary is out of place"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_ops_dispatch_to_triton_on_cuda(monkeypatch) -> None:
+    from radix_backend.kernels import ops, triton_ops
+    called = []
+    monkeypatch.setattr(triton_ops, "rms_norm", lambda *a: called.append(1) or ops.rms_norm_torch(*a))
+    ops.rms_norm(torch.randn(2, 8, device="cuda"), torch.ones(8, device="cuda"), 1e-6)
+    assert called
