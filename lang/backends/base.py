@@ -1,0 +1,48 @@
+"""The small interface the DSL interpreter needs from a model (cf. sglang.lang.backend.base_backend).
+
+A backend turns prompt text into completions and scores continuations. Everything else
+(roles, variables, forks, streaming, batching of forks) lives in the interpreter. To plug in a
+new model server implement `generate` and `score`; the rest has working defaults.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from radix_backend.outputs import ChoiceScore, GenerateOutput, StreamChunk
+from radix_backend.sampling_params import SamplingParams
+
+from ..chat_template import ChatTemplate, default_template
+
+
+class BaseBackend(ABC):
+    @abstractmethod
+    def generate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
+        """Complete every prompt (one batch; branches of a fork arrive here together)."""
+
+    @abstractmethod
+    def score(self, prefix: str, continuations: list[str], *, unconditional: bool = False) -> list[ChoiceScore]:
+        """Per-token logprobs of each continuation after `prefix` (the prefix computed once)."""
+
+    def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[StreamChunk]:
+        """Incremental text of one completion; the last chunk carries finish_reason and meta."""
+        out = self.generate([prompt], [params])[0]
+        yield StreamChunk(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason, meta=out.meta)
+
+    def get_chat_template(self) -> ChatTemplate:
+        return default_template()
+
+    def cache_prefix(self, prefix: str) -> None:
+        """Put `prefix` in the KV cache (a zero-token generate) so later requests start from a hit."""
+        self.generate([prefix], [SamplingParams(max_new_tokens=0)])
+
+    def flush_cache(self) -> bool:
+        return False
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {}
+
+    def shutdown(self) -> None:
+        """Release what the backend owns (nothing by default)."""

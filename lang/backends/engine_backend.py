@@ -1,0 +1,65 @@
+"""RadixEngineBackend: runs DSL programs on the in-process `radix_backend.Engine` (the default).
+
+Every program in the process shares the engine's radix cache: few-shot headers, fork prefixes
+and chat system prompts are computed once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from radix_backend.outputs import ChoiceScore, GenerateOutput, StreamChunk
+from radix_backend.sampling_params import SamplingParams
+
+from ..chat_template import ChatTemplate, from_renderer
+from .base import BaseBackend
+
+if TYPE_CHECKING:
+    from radix_backend.engine import Engine
+
+
+class RadixEngineBackend(BaseBackend):
+    def __init__(self, engine: "Engine | None" = None, *, chat_template: ChatTemplate | None = None) -> None:
+        self._engine = engine
+        self._chat_template = chat_template
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> "Engine":
+        """The wrapped engine; the process-shared `get_engine()` one unless given (created on first use)."""
+        with self._lock:
+            if self._engine is None:
+                from radix_backend.engine import get_engine
+
+                self._engine = get_engine()
+            return self._engine
+
+    def get_chat_template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            engine = self.engine
+            self._chat_template = from_renderer(
+                lambda msgs, gen: engine.apply_chat_template(msgs, add_generation_prompt=gen), name="engine"
+            )
+        return self._chat_template
+
+    def generate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
+        outs = self.engine.generate(list(prompts), list(params))
+        return list(outs) if isinstance(outs, list) else [outs]
+
+    def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[StreamChunk]:
+        yield from self.engine.stream(prompt, params)
+
+    def score(self, prefix: str, continuations: list[str], *, unconditional: bool = False) -> list[ChoiceScore]:
+        return self.engine.score(prefix, list(continuations), unconditional=unconditional)
+
+    def cache_prefix(self, prefix: str) -> None:
+        self.engine.generate(prefix, SamplingParams(max_new_tokens=0))
+
+    def flush_cache(self) -> bool:
+        return bool(self.engine.flush_cache())
+
+    def get_server_info(self) -> dict[str, Any]:
+        return {"backend": "radix_engine", "cache_stats": asdict(self.engine.cache_stats())}

@@ -1,0 +1,583 @@
+"""Executes DSL programs (cf. sglang.lang.interpreter).
+
+`s += expr` only queues `expr` on the state. Queued work runs when something needs its result
+(a variable read, `text()`, `fork`, the end of the program). Draining runs every state of the
+program in lock-step: each state advances through its local work (text, roles) to its next
+`gen`, and all those gens go to the backend as ONE batch. So the branches of a fork, whose
+prompts share the parent's text, are submitted together, after the parent's text has been put
+in the radix cache once (`backend.cache_prefix` at fork time).
+
+`run(stream=True)` executes the program on a background thread; `text_iter()` follows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any
+
+from radix_backend.outputs import GenerateOutput, RequestMeta
+from radix_backend.sampling_params import SamplingParams
+
+from .chat_template import ChatTemplate
+from .errors import ProgramError, StreamUsageError, UnknownVariableError
+from .ir import (
+    BACKEND_NODES,
+    TRACE_ONLY_NODES,
+    SglConcateAndAppend,
+    SglConstantText,
+    SglExpr,
+    SglExprList,
+    SglGen,
+    SglRoleBegin,
+    SglRoleEnd,
+    SglSelect,
+    SglVarScopeBegin,
+    SglVarScopeEnd,
+    flatten,
+    to_expr,
+)
+
+if TYPE_CHECKING:
+    from .api import SglFunction
+    from .backends.base import BaseBackend
+
+INT_REGEX = r"[-+]?[0-9]+"
+FLOAT_REGEX = r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
+
+
+class _Run:
+    """One execution of a program: its states, backend, default sampling params and thread."""
+
+    def __init__(self, backend: "BaseBackend", defaults: SamplingParams, chat_template: ChatTemplate | None = None) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self._chat_template = chat_template
+        self.states: list[ProgramState] = []
+        self.lock = threading.RLock()
+        self.thread: threading.Thread | None = None
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            self._chat_template = self.backend.get_chat_template()
+        return self._chat_template
+
+    def finish(self) -> None:
+        self.done.set()
+        for st in self.states:
+            with st._cond:
+                st._cond.notify_all()
+
+
+class _RoleMixin:
+    """`s.user(...)`, `with s.user():`, `with s.var_scope(name):` shared by real and traced states."""
+
+    def _submit(self, expr: SglExpr) -> None:
+        raise NotImplementedError
+
+    def _role_common(self, role: str, expr: Any = None) -> Any:
+        if expr is not None:
+            node = SglExprList([SglRoleBegin(role), to_expr(expr), SglRoleEnd(role)])
+            self._submit(node)
+            return node
+
+        @contextmanager
+        def scope() -> Iterator[None]:
+            self._submit(SglRoleBegin(role))
+            yield
+            self._submit(SglRoleEnd(role))
+
+        return scope()
+
+    def system(self, expr: Any = None) -> Any:
+        return self._role_common("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        return self._role_common("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role_common("assistant", expr)
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """Everything appended inside the block becomes variable `name`."""
+        self._submit(SglVarScopeBegin(name))
+        yield
+        self._submit(SglVarScopeEnd(name))
+
+
+class ProgramState(_RoleMixin):
+    """The `s` of a program: text so far, chat messages, variables and their meta info."""
+
+    def __init__(self, run: _Run, *, stream_root: bool = False) -> None:
+        self._run = run
+        self._stream_root = stream_root
+        self._text = ""
+        self._messages: list[dict[str, str]] = []
+        self._variables: dict[str, Any] = {}
+        self._var_raw: dict[str, str] = {}  # generated text of each variable (streamed while it grows)
+        self._vars_done: set[str] = set()
+        self._meta: dict[str, dict[str, Any]] = {}
+        self._written: set[str] = set()  # variables set since this state was forked (gathered by join)
+        self._pending: deque[SglExpr] = deque()
+        self._cur_role: str | None = None
+        self._cur_role_begin = 0
+        self._scopes: dict[str, int] = {}
+        self._fork_start = 0
+        self._parent: ProgramState | None = None
+        self._cond = threading.Condition()
+        self.ret_value: Any = None
+        run.states.append(self)
+
+    # ---- building ---------------------------------------------------------------------
+    def __iadd__(self, other: Any) -> "ProgramState":
+        self._submit(to_expr(other))
+        return self
+
+    def _submit(self, expr: SglExpr) -> None:
+        with self._run.lock:
+            self._pending.extend(flatten([expr]))
+
+    def fork(self, size: int = 1) -> "ProgramStateGroup":
+        """`size` copies of this state that continue independently and share its prefix in the cache."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ProgramError(f"fork(size) needs an int >= 1, got {size!r}")
+        self.sync(everything=False)
+        if size > 1 and self._text:
+            self._run.backend.cache_prefix(self._text)
+        return ProgramStateGroup([self._child() for _ in range(size)], src_state=self)
+
+    def _child(self) -> "ProgramState":
+        c = ProgramState(self._run)
+        c._text, c._messages = self._text, list(self._messages)
+        c._variables, c._var_raw, c._meta = dict(self._variables), dict(self._var_raw), dict(self._meta)
+        c._vars_done = set(self._vars_done)
+        c._cur_role, c._cur_role_begin = self._cur_role, self._cur_role_begin
+        c._scopes = dict(self._scopes)
+        c._fork_start, c._parent = len(self._text), self
+        return c
+
+    # ---- reading ----------------------------------------------------------------------
+    def sync(self, everything: bool = True) -> None:
+        """Run all queued work (of the whole program, so sibling forks batch; or only this state's)."""
+        run = self._run
+        if run.thread is not None and run.thread is not threading.current_thread() and not run.done.is_set():
+            run.done.wait()  # a streamed program is still running on its thread
+        if run.error is not None and run.thread is not None:
+            raise run.error
+        _drain(run.states if everything else [self], only=None if everything else self)
+
+    def text(self) -> str:
+        self.sync()
+        return self._text
+
+    def messages(self) -> list[dict[str, str]]:
+        self.sync()
+        return [dict(m) for m in self._messages]
+
+    def get_var(self, name: str) -> Any:
+        self.sync()
+        if name not in self._variables:
+            raise UnknownVariableError(
+                f"no variable {name!r} in this program state; defined: {sorted(self._variables) or 'none'} "
+                f"(variables come from gen(name), select(name) and var_scope(name))"
+            )
+        return self._variables[name]
+
+    __getitem__ = get_var
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.sync()
+        self._set_var(name, value)
+
+    __setitem__ = set_var
+
+    def __contains__(self, name: str) -> bool:
+        self.sync()
+        return name in self._variables
+
+    def get_meta_info(self, name: str) -> dict[str, Any]:
+        self.get_var(name)
+        return dict(self._meta.get(name, {}))
+
+    def error(self) -> BaseException | None:
+        """The exception that stopped a streamed program, if any."""
+        return self._run.error
+
+    def __repr__(self) -> str:
+        return f"ProgramState({self._text[-200:]!r})"
+
+    # ---- streaming --------------------------------------------------------------------
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Increments of the text (or of variable `var_name`) while a streamed program runs."""
+        self._check_stream("text_iter")
+        return self._iter(var_name)
+
+    def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+        """`async for` version of text_iter; waiting happens on a worker thread, not the event loop."""
+        self._check_stream("text_async_iter")
+        it = self._iter(var_name)
+
+        async def agen() -> AsyncIterator[str]:
+            done = object()
+            while True:
+                chunk = await asyncio.to_thread(next, it, done)
+                if chunk is done:
+                    return
+                yield chunk  # type: ignore[misc]
+
+        return agen()
+
+    def _check_stream(self, what: str) -> None:
+        if not self._stream_root:
+            raise StreamUsageError(
+                f"{what}() needs a program started with run(..., stream=True) (and the state it returned); "
+                f"for a finished run read state.text() or state[name]"
+            )
+
+    def _iter(self, var_name: str | None) -> Iterator[str]:
+        run, pos = self._run, 0
+        while True:
+            with self._cond:
+                while True:
+                    current = self._text if var_name is None else self._var_raw.get(var_name, "")
+                    finished = run.done.is_set() or (var_name is not None and var_name in self._vars_done)
+                    if len(current) > pos or finished:
+                        break
+                    self._cond.wait()
+            if len(current) > pos:
+                yield current[pos:]
+                pos = len(current)
+            if finished:
+                break
+        if run.error is not None:
+            raise run.error
+        if var_name is not None and var_name not in self._vars_done:
+            raise UnknownVariableError(f"text_iter({var_name!r}): the program produced no variable {var_name!r}")
+
+    # ---- execution of local nodes -------------------------------------------------------
+    def _append(self, text: str, var: str | None = None) -> None:
+        with self._cond:
+            self._text += text
+            if var is not None:
+                self._var_raw[var] = self._var_raw.get(var, "") + text
+            self._cond.notify_all()
+
+    def _set_var(self, name: str, value: Any, meta: dict[str, Any] | None = None, raw: str | None = None) -> None:
+        with self._cond:
+            self._variables[name] = value
+            self._var_raw[name] = raw if raw is not None else str(value)
+            self._vars_done.add(name)
+            self._written.add(name)
+            if meta is not None:
+                self._meta[name] = meta
+            self._cond.notify_all()
+
+    def _advance_local(self) -> SglExpr | None:
+        """Execute queued local nodes; pop and return the next node that needs the backend."""
+        while self._pending:
+            node = self._pending.popleft()
+            if isinstance(node, BACKEND_NODES):
+                return node
+            self._execute_local(node)
+        return None
+
+    def _execute_local(self, node: SglExpr) -> None:
+        if isinstance(node, SglConstantText):
+            self._append(node.value)
+        elif isinstance(node, SglRoleBegin):
+            self._role_begin(node.role)
+        elif isinstance(node, SglRoleEnd):
+            self._role_end(node.role)
+        elif isinstance(node, SglVarScopeBegin):
+            self._scopes[node.name] = len(self._text)
+        elif isinstance(node, SglVarScopeEnd):
+            if node.name not in self._scopes:
+                raise ProgramError(f"var_scope {node.name!r} ended without beginning")
+            self._set_var(node.name, self._text[self._scopes.pop(node.name):])
+        elif isinstance(node, SglConcateAndAppend):
+            self._append("".join(s._text[s._fork_start:] for s in node.states))
+        elif isinstance(node, TRACE_ONLY_NODES):
+            raise ProgramError(f"{type(node).__name__} is a tracing placeholder and cannot be executed")
+        else:
+            raise ProgramError(f"cannot execute {node!r}")
+
+    def _role_begin(self, role: str) -> None:
+        if self._cur_role is not None:
+            raise ProgramError(f"{role}() begins inside {self._cur_role}(): roles cannot nest; end the first role")
+        tmpl = self._run.chat_template
+        if not self._messages and role != "system" and tmpl.default_system_prompt:
+            self._role_begin("system")
+            self._append(tmpl.default_system_prompt)
+            self._role_end("system")
+        prefix, _ = self._role_strings(role)
+        self._append(prefix)
+        self._cur_role, self._cur_role_begin = role, len(self._text)
+
+    def _role_end(self, role: str) -> None:
+        if self._cur_role != role:
+            raise ProgramError(f"{role}_end() without a matching {role}_begin() (current role: {self._cur_role})")
+        content = self._text[self._cur_role_begin:].lstrip()
+        _, suffix = self._role_strings(role)
+        self._append(suffix)
+        self._messages.append({"role": role, "content": content})
+        self._cur_role = None
+
+    def _role_strings(self, role: str) -> tuple[str, str]:
+        try:
+            return self._run.chat_template.get_prefix_and_suffix(role, self._messages)
+        except ValueError as exc:
+            raise ProgramError(str(exc)) from exc
+
+
+class ProgramStateGroup:
+    """States created by `fork` (or any list of states): `+=` applies to each, `join` merges back."""
+
+    def __init__(self, states: Sequence[ProgramState], src_state: ProgramState | None = None) -> None:
+        self.states = list(states)
+        self.src_state = src_state
+
+    def __iadd__(self, other: Any) -> "ProgramStateGroup":
+        if callable(other) and not isinstance(other, (str, SglExpr)):
+            for i, s in enumerate(self.states):
+                s += other(i)
+        else:
+            for s in self.states:
+                s += other
+        return self
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def sync(self) -> None:
+        runs = {id(s._run): s._run for s in self.states}.values()
+        _drain([st for r in runs for st in r.states])
+
+    def fork(self, size: int = 1) -> "ProgramStateGroup":
+        """Fork every state `size` times; one flat group (children remember their own parent)."""
+        return ProgramStateGroup([c for s in self.states for c in s.fork(size).states])
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """Merge forks into their parents: variables as lists ("gather_variable", SGLang's default)
+        or the text each fork added ("concate_and_append")."""
+        if mode not in ("gather_variable", "concate_and_append"):
+            raise ProgramError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+        self.sync()
+        by_parent: dict[int, list[ProgramState]] = {}
+        for s in self.states:
+            if s._parent is None:
+                raise ProgramError("join(): a state in this group was not created by fork()")
+            by_parent.setdefault(id(s._parent), []).append(s)
+        for children in by_parent.values():
+            parent = children[0]._parent
+            assert parent is not None
+            if mode == "gather_variable":
+                names = list(dict.fromkeys(n for c in children for n in c._variables if n in c._written))
+                for n in names:
+                    parent._set_var(n, [c._variables.get(n) for c in children], {"per_fork": [c._meta.get(n) for c in children]})
+            else:
+                parent._submit(SglConcateAndAppend(children))
+
+
+# ---- draining: run queued work, batching gens across states ---------------------------------
+
+
+def _drain(states: Sequence[ProgramState], only: ProgramState | None = None) -> None:
+    runs = list({id(s._run): s._run for s in states}.values())
+    runs.sort(key=id)  # a fixed lock order across concurrent drains
+    with ExitStack() as stack:
+        for r in runs:
+            stack.enter_context(r.lock)
+        todo = [only] if only is not None else list({id(s): s for s in states}.values())
+        while True:
+            work = []
+            for st in todo:
+                node = st._advance_local()
+                if node is not None:
+                    work.append((st, node))
+            if not work:
+                return
+            _execute_backend_step(work)
+
+
+def _execute_backend_step(work: list[tuple[ProgramState, SglExpr]]) -> None:
+    batch: dict[int, list[tuple[ProgramState, SglGen]]] = {}
+    for st, node in work:
+        if isinstance(node, SglSelect):
+            _execute_select(st, node)
+        elif isinstance(node, SglGen) and st._stream_root and threading.current_thread() is st._run.thread:
+            _execute_gen_stream(st, node)
+        else:
+            assert isinstance(node, SglGen)
+            batch.setdefault(id(st._run.backend), []).append((st, node))
+    for items in batch.values():
+        backend = items[0][0]._run.backend
+        outs = backend.generate([st._text for st, _ in items], [_gen_params(st._run, node) for st, node in items])
+        if len(outs) != len(items):
+            raise RuntimeError(f"backend returned {len(outs)} outputs for {len(items)} prompts")
+        for (st, node), out in zip(items, outs):
+            st._append(out.text)
+            _store_gen(st, node, out)
+
+
+def _gen_params(run: _Run, node: SglGen) -> SamplingParams:
+    p = run.defaults.copy(**node.overrides)
+    if node.dtype in (int, float) and not p.has_constraint:
+        p = p.copy(regex=INT_REGEX if node.dtype is int else FLOAT_REGEX)
+    return p
+
+
+def _store_gen(st: ProgramState, node: SglGen, out: GenerateOutput) -> None:
+    if node.name is None:
+        return
+    st._set_var(node.name, _convert(node, out.text), gen_meta(out), raw=out.text)
+
+
+def _convert(node: SglGen, text: str) -> Any:
+    if node.dtype in (int, float):
+        try:
+            return node.dtype(text.strip())
+        except ValueError:
+            raise ProgramError(
+                f"gen({node.name!r}, dtype={node.dtype.__name__}) produced {text!r}, which does not parse; "
+                f"raise max_tokens or use a backend that enforces regex constraints"
+            ) from None
+    return text
+
+
+def gen_meta(out: GenerateOutput) -> dict[str, Any]:
+    """SGLang-style meta_info of one generation."""
+    m = out.meta
+    meta: dict[str, Any] = {
+        "id": out.request_id,
+        "finish_reason": {"type": out.finish_reason, "matched": m.matched_stop},
+        "prompt_tokens": m.prompt_tokens,
+        "completion_tokens": m.completion_tokens,
+        "cached_tokens": m.cached_tokens,
+        "decode_steps": m.decode_steps,
+        "e2e_latency": m.total_time_s,
+    }
+    if out.logprobs is not None:
+        meta["output_token_logprobs"] = [(t.logprob, t.token_id) for t in out.logprobs]
+        meta["output_top_logprobs"] = [t.top for t in out.logprobs]
+    return meta
+
+
+def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
+    params = _gen_params(st._run, node)
+    parts: list[str] = []
+    ids: list[int] = []
+    finish, meta = None, None
+    for chunk in st._run.backend.generate_stream(st._text, params):
+        st._append(chunk.text, var=node.name)
+        parts.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        finish = chunk.finish_reason or finish
+        meta = chunk.meta or meta
+    out = GenerateOutput("".join(parts), ids, finish or "stop", meta or RequestMeta())
+    _store_gen(st, node, out)
+
+
+def _execute_select(st: ProgramState, node: SglSelect) -> None:
+    method = node.choices_method
+    scores = st._run.backend.score(st._text, node.choices, unconditional=method.requires_unconditional_logprobs)
+    decision = method(node.choices, scores)
+    st._append(decision.decision)
+    if node.name is not None:
+        st._set_var(node.name, decision.decision, dict(decision.meta_info))
+
+
+# ---- running programs -----------------------------------------------------------------------
+
+
+def run_program(program: "SglFunction", backend: "BaseBackend", arguments: dict[str, Any],
+                defaults: SamplingParams, stream: bool = False) -> ProgramState:
+    run = _Run(backend, defaults)
+    state = ProgramState(run, stream_root=stream)
+    if stream:
+        run.thread = threading.Thread(target=_execute, args=(program, state, arguments), daemon=True,
+                                      name=f"sgl-{program.name}")
+        run.thread.start()
+    else:
+        _execute(program, state, arguments)
+    return state
+
+
+def _execute(program: "SglFunction", state: ProgramState, arguments: dict[str, Any]) -> None:
+    run = state._run
+    try:
+        state.ret_value = program.func(state, **arguments)
+        _drain(run.states)
+    except BaseException as exc:
+        run.error = exc
+        if run.thread is None:
+            raise
+    finally:
+        run.finish()
+
+
+def run_program_batch(program: "SglFunction", backend: "BaseBackend", batch_arguments: list[dict[str, Any]],
+                      defaults: SamplingParams, num_threads: int | str = "auto", progress_bar: bool = False,
+                      cache_prefix: bool = True) -> list[ProgramState]:
+    """Run the program once per argument dict on a thread pool; the engine batches their requests.
+
+    With `cache_prefix`, the constant prefix shared by all items (found by tracing) is submitted
+    first, so every item starts from a radix-cache hit instead of racing to compute it.
+    """
+    from tqdm.auto import tqdm
+
+    n = len(batch_arguments)
+    if n == 0:
+        return []
+    if cache_prefix and n > 1:
+        from .tracer import batch_common_prefix
+
+        prefix = batch_common_prefix(program, backend, batch_arguments)
+        if len(prefix) >= MIN_CACHED_PREFIX_CHARS:
+            backend.cache_prefix(prefix)
+    if num_threads == "auto":
+        num_threads = AUTO_MAX_THREADS  # threads mostly wait on the engine, which batches their requests
+    if not isinstance(num_threads, int) or num_threads < 1:
+        raise ProgramError(f"num_threads must be 'auto' or an int >= 1, got {num_threads!r}")
+    num_threads = min(num_threads, n)
+    bar = tqdm(total=n, disable=not progress_bar, desc=program.name)
+
+    def one(args: dict[str, Any]) -> ProgramState:
+        try:
+            return run_program(program, backend, args, defaults)
+        finally:
+            bar.update(1)
+
+    try:
+        if num_threads == 1:
+            return [one(a) for a in batch_arguments]
+        with ThreadPoolExecutor(num_threads, thread_name_prefix=f"sgl-batch-{program.name}") as pool:
+            futures = [pool.submit(one, a) for a in batch_arguments]
+            results = []
+            for i, f in enumerate(futures):
+                try:
+                    results.append(f.result())
+                except BaseException as exc:
+                    if hasattr(exc, "add_note"):
+                        exc.add_note(f"(in run_batch item {i}: {batch_arguments[i]!r:.200})")
+                    raise
+            return results
+    finally:
+        bar.close()
+
+
+MIN_CACHED_PREFIX_CHARS = 32
+AUTO_MAX_THREADS = 128
