@@ -154,5 +154,9 @@ class _LiveCollector:
             "kv_slots_cached": ("KV slots owned by the radix tree", stats.cached_slots),
             "kv_usage": ("Fraction of KV slots in use", stats.slots_used / total),
         }
+        running = getattr(stats, "running_requests", None)
+        if running is not None:  # the scheduler's own view (the server's view is num_requests_*)
+            gauges["queue_length"] = ("Requests waiting in the scheduler queue", stats.waiting_requests)
+            gauges["running_requests"] = ("Requests in the running batch", running)
         for key, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{key}", doc, value=float(value))

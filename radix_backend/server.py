@@ -386,7 +386,8 @@ class _Server:
     def __init__(self, engine: Any, served_model_name: str | None, model_path: str | None) -> None:
         self.engine = engine
         self.model_path = model_path or getattr(engine, "model_path", None) or DEFAULT_MODEL_PATH
-        self.model_name = served_model_name or self.model_path
+        self.model_name = served_model_name or getattr(engine, "model_name", None) or self.model_path
+        self._kv_total: int | None = None
         self.metrics = ServerMetrics(engine)
         self.tok = _TokenText(engine)
 
@@ -411,11 +412,19 @@ class _Server:
             if requested < 0:
                 raise InvalidRequestError(f"max_tokens must be >= 0, got {requested}")
             return requested
-        room = self.engine.context_length - self.prompt_len(inputs)
+        limit = min(self.engine.context_length, self.kv_total())
+        room = limit - self.prompt_len(inputs)
         if room < 1:
-            raise PromptTooLongError(f"the prompt fills the model's context window of {self.engine.context_length} "
-                                     "tokens; shorten it")
+            raise PromptTooLongError(f"the prompt fills the {limit} tokens the model can hold (context window "
+                                     f"{self.engine.context_length}, KV cache {self.kv_total()}); shorten it")
         return room
+
+    def kv_total(self) -> int:
+        """KV slots of the smallest replica (a request must fit one replica's pool)."""
+        if self._kv_total is None:
+            replicas = getattr(self.engine, "replicas", None) or [self.engine]
+            self._kv_total = min(int(r.cache_stats().slots_total) for r in replicas)
+        return self._kv_total
 
     @staticmethod
     def completion_inputs(prompt: Any) -> list[dict[str, Any]]:
