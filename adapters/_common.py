@@ -82,6 +82,21 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
+def close_objects(schema: Any) -> Any:
+    """Copy of `schema` where object schemas that list `properties` but say nothing about extra
+    keys get `additionalProperties: false`. Pydantic and TypedDict schemas (and tool arguments)
+    mean exactly their fields; left open, a small model can keep inventing keys until max_tokens."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: close_objects(v) for k, v in schema.items()}
+    if "properties" in out and isinstance(out["properties"], dict) and "additionalProperties" not in out \
+            and out.get("type", "object") == "object":
+        out["additionalProperties"] = False
+    return out
+
+
 def to_json_schema(schema: Any) -> tuple[dict[str, Any], str]:
     """(JSON schema, name) of a pydantic class, a TypedDict, a JSON schema dict or an OpenAI tool dict."""
     if isinstance(schema, str):
@@ -90,11 +105,11 @@ def to_json_schema(schema: Any) -> tuple[dict[str, Any], str]:
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"schema string is not valid JSON: {exc}") from exc
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
-        return schema.model_json_schema(), schema.__name__
+        return close_objects(schema.model_json_schema()), schema.__name__
     if isinstance(schema, type) and hasattr(schema, "__annotations__") and hasattr(schema, "__total__"):
         from pydantic import TypeAdapter
 
-        return TypeAdapter(schema).json_schema(), schema.__name__
+        return close_objects(TypeAdapter(schema).json_schema()), schema.__name__
     if isinstance(schema, dict):
         if schema.get("type") == "function" and isinstance(schema.get("function"), dict):  # OpenAI tool
             fn = schema["function"]
@@ -127,7 +142,7 @@ def tool_call_schema(tools: list[ToolSpec], *, allow_text: bool, parallel: bool 
     defs: dict[str, Any] = {}
     options: list[dict[str, Any]] = []
     for tool in tools:
-        params = dict(tool.parameters or {"type": "object", "properties": {}})
+        params = close_objects(dict(tool.parameters or {"type": "object", "properties": {}}))
         for key in ("$defs", "definitions"):
             for def_name, def_schema in (params.pop(key, None) or {}).items():
                 if def_name in defs and defs[def_name] != def_schema:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any, Type
 
-from ._common import Usage, message_text, require, resolve_engine, sampling_params
+from ._common import Usage, message_text, require, resolve_engine, sampling_params, to_json_schema
 
 require("llama_index.core", "llamaindex", "llama-index-core")
 
@@ -189,13 +189,13 @@ class RadixLlamaIndexLLM(CustomLLM):
                            llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Model:
         """Chat under `output_cls`'s JSON schema; the reply always parses into `output_cls`."""
         messages = self._structured_messages(prompt, prompt_args)
-        response = self.chat(messages, json_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        response = self.chat(messages, json_schema=to_json_schema(output_cls)[0], **(llm_kwargs or {}))
         return output_cls.model_validate_json(response.message.content or "")
 
     async def astructured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
                                   llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Model:
         messages = self._structured_messages(prompt, prompt_args)
-        response = await self.achat(messages, json_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        response = await self.achat(messages, json_schema=to_json_schema(output_cls)[0], **(llm_kwargs or {}))
         return output_cls.model_validate_json(response.message.content or "")
 
     def stream_structured_predict(self, output_cls: Type[Model], prompt: BasePromptTemplate,
@@ -204,7 +204,7 @@ class RadixLlamaIndexLLM(CustomLLM):
         from llama_index.core.program.utils import process_streaming_objects
 
         messages = self._structured_messages(prompt, prompt_args)
-        stream = self.stream_chat(messages, json_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        stream = self.stream_chat(messages, json_schema=to_json_schema(output_cls)[0], **(llm_kwargs or {}))
         current = None
         for response in stream:
             current = process_streaming_objects(response, output_cls, flexible_mode=True,
@@ -217,7 +217,7 @@ class RadixLlamaIndexLLM(CustomLLM):
         from llama_index.core.program.utils import process_streaming_objects
 
         messages = self._structured_messages(prompt, prompt_args)
-        stream = await self.astream_chat(messages, json_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        stream = await self.astream_chat(messages, json_schema=to_json_schema(output_cls)[0], **(llm_kwargs or {}))
 
         async def gen() -> AsyncGenerator[Any, None]:
             current = None
