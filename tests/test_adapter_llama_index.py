@@ -1,0 +1,174 @@
+"""LlamaIndex adapter: fast tests on a scripted engine double; slow offline RAG on SmolLM2 + MiniLM."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import sys
+from typing import Any
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+
+from llama_index.core import Document, PromptTemplate, VectorStoreIndex  # noqa: E402
+from llama_index.core.llms import ChatMessage  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+
+from radix_backend.adapters._testing import ScriptedEngine  # noqa: E402
+from radix_backend.adapters.llama_index import RadixLlamaIndexLLM  # noqa: E402
+from radix_backend.errors import InvalidRequestError, MissingDependencyError  # noqa: E402
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population_millions: float
+
+
+MESSAGES = [ChatMessage(role="system", content="Answer briefly."), ChatMessage(role="user", content="Hi there")]
+
+
+# ---------------------------------------------------------------- fast: scripted engine
+def test_metadata() -> None:
+    llm = RadixLlamaIndexLLM(engine=ScriptedEngine(context_length=4096), max_new_tokens=77)
+    meta = llm.metadata
+    assert (meta.context_window, meta.num_output, meta.is_chat_model) == (4096, 77, True)
+
+
+def test_complete_and_chat_report_usage() -> None:
+    eng = ScriptedEngine(replies=["hello back"])
+    llm = RadixLlamaIndexLLM(engine=eng, temperature=0.0, max_new_tokens=9)
+    done = llm.complete("Say hello")
+    assert done.text == "hello back" and eng.calls[-1].prompts == ["Say hello"]
+    assert done.raw["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4, "cached_tokens": 0,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
+    chat = llm.chat(MESSAGES, top_k=5)
+    assert chat.message.content == "hello back" and chat.message.role == "assistant"
+    assert eng.calls[-1].prompts[0].startswith("<|system|>\nAnswer briefly.\n<|user|>\nHi there")
+    params = eng.calls[-1].params[0]
+    assert (params.temperature, params.max_new_tokens, params.top_k) == (0.0, 9, 5)
+    again = llm.chat(MESSAGES)
+    assert again.additional_kwargs["cached_tokens"] > 0
+    assert again.additional_kwargs["prompt_tokens"] == chat.additional_kwargs["prompt_tokens"]
+
+
+def test_streams_and_async_forms() -> None:
+    eng = ScriptedEngine(replies=["one two three"])
+    llm = RadixLlamaIndexLLM(engine=eng)
+    deltas = [r.delta for r in llm.stream_complete("x")]
+    assert deltas == ["one ", "two ", "three"]
+    last = list(llm.stream_chat(MESSAGES))[-1]
+    assert last.message.content == "one two three" and last.raw["usage"]["completion_tokens"] == 3
+
+    async def run() -> list[Any]:
+        a = await llm.acomplete("x")
+        b = await llm.achat(MESSAGES)
+        c = [r.delta async for r in await llm.astream_complete("x")]
+        d = [r.message.content async for r in await llm.astream_chat(MESSAGES)]
+        return [a.text, b.message.content, c, d[-1]]
+
+    assert asyncio.run(run()) == ["one two three", "one two three", ["one ", "two ", "three"], "one two three"]
+    assert [c.kind for c in eng.calls[-4:]] == ["agenerate", "agenerate", "astream", "astream"]
+
+
+def test_bad_sampling_kwarg_is_typed_error() -> None:
+    with pytest.raises(InvalidRequestError, match="bogus"):
+        RadixLlamaIndexLLM(engine=ScriptedEngine()).complete("x", bogus=1)
+
+
+def test_structured_predict_and_structured_llm_use_json_schema() -> None:
+    reply = json.dumps({"name": "Lyon", "country": "France", "population_millions": 0.5})
+    eng = ScriptedEngine(replies=lambda prompt, params: reply if params.json_schema else "plain")
+    llm = RadixLlamaIndexLLM(engine=eng, system_prompt="You extract facts.")
+    city = llm.structured_predict(City, PromptTemplate("Describe {city}."), city="Lyon")
+    assert city == City(name="Lyon", country="France", population_millions=0.5)
+    sent = eng.calls[-1]
+    assert sent.params[0].json_schema["required"] == ["name", "country", "population_millions"]
+    assert "You extract facts." in sent.prompts[0] and "Describe Lyon." in sent.prompts[0]
+    structured = llm.as_structured_llm(City)
+    resp = structured.chat([ChatMessage(role="user", content="Describe Lyon.")])
+    assert City.model_validate_json(resp.message.content) == city
+    partials = list(llm.stream_structured_predict(City, PromptTemplate("Describe {city}."), city="Lyon"))
+    assert partials[-1] == city
+    assert asyncio.run(llm.astructured_predict(City, PromptTemplate("Describe {city}."), city="Lyon")) == city
+
+
+def test_missing_llama_index_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_index.core", None)
+    monkeypatch.delitem(sys.modules, "radix_backend.adapters.llama_index")
+    with pytest.raises(MissingDependencyError, match=r"pip install 'radix-backend\[llamaindex\]'"):
+        importlib.import_module("radix_backend.adapters.llama_index")
+
+
+# ---------------------------------------------------------------- slow: real engine
+DOCS = [
+    "The Radix Lighthouse stands on Cape Verity and was built in 1874 by engineer Mara Quill.",
+    "Cape Verity is home to a colony of puffins that nest on the cliffs every spring.",
+    "The lighthouse lamp was converted from oil to electricity in 1931.",
+    "Mara Quill also designed the Stonebridge Observatory, finished in 1882.",
+    "Visitors reach Cape Verity by a ferry that leaves Port Alder twice a day.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    from radix_backend.engine import get_engine
+
+    return get_engine()
+
+
+@pytest.fixture(scope="module")
+def index() -> Any:
+    from radix_backend.adapters.llama_index_embeddings import MiniLMEmbedding
+
+    return VectorStoreIndex.from_documents([Document(text=t) for t in DOCS], embed_model=MiniLMEmbedding())
+
+
+@pytest.mark.slow
+def test_minilm_embeddings_rank_relevant_text_first() -> None:
+    from radix_backend.adapters.llama_index_embeddings import MiniLMEmbedding
+
+    emb = MiniLMEmbedding()
+    q = emb.get_query_embedding("When was the lighthouse built?")
+    docs = emb.get_text_embedding_batch(DOCS)
+    scores = [sum(a * b for a, b in zip(q, d)) for d in docs]
+    assert max(range(len(DOCS)), key=scores.__getitem__) == 0
+    assert abs(sum(x * x for x in q) - 1.0) < 1e-4 and len(q) == 384
+
+
+@pytest.mark.slow
+def test_rag_query_engine_reuses_template_and_context(engine: Any, index: Any) -> None:
+    llm = RadixLlamaIndexLLM(engine=engine, max_new_tokens=24)
+    qe = index.as_query_engine(llm=llm, similarity_top_k=2)
+    first = qe.query("Who built the Radix Lighthouse?")
+    assert str(first).strip()
+    assert {n.node.get_content() for n in first.source_nodes} & {DOCS[0], DOCS[3]}
+    before = engine.cache_stats()
+    second = qe.query("Who built the Radix Lighthouse?")
+    after = engine.cache_stats()
+    assert str(second) == str(first)  # greedy: same answer, now from a cached prompt
+    new_prompt = after.prompt_tokens - before.prompt_tokens
+    assert after.cached_tokens - before.cached_tokens >= new_prompt - 1
+    # a different question over the same documents still reuses the system prompt + template head
+    before = engine.cache_stats()
+    qe.query("In which year did the lamp switch to electricity?")
+    after = engine.cache_stats()
+    assert after.cached_tokens - before.cached_tokens >= 40
+
+
+class Place(BaseModel):
+    name: str
+    country: str
+
+
+@pytest.mark.slow
+def test_real_structured_predict_validates(engine: Any) -> None:
+    llm = RadixLlamaIndexLLM(engine=engine, max_new_tokens=60)
+    place = llm.structured_predict(Place, PromptTemplate("Name the city {city} and its country."), city="Paris")
+    assert isinstance(place, Place)
+    structured = llm.as_structured_llm(Place).chat([ChatMessage(role="user", content="Name Rome and its country.")])
+    assert isinstance(Place.model_validate_json(structured.message.content), Place)
+    chat = llm.chat([ChatMessage(role="user", content="Say hi.")])
+    assert chat.raw["usage"]["completion_tokens"] > 0
