@@ -149,7 +149,7 @@ class Router:
     """`dp_size` engines behind one Engine-like front that routes each request (see module doc)."""
 
     def __init__(self, replicas: Sequence[Any], *, policy: str = "cache_aware", cache_threshold: float = 0.5,
-                 balance_abs_threshold: int = 8, balance_rel_threshold: float = 1.5,
+                 balance_abs_threshold: int = 4, balance_rel_threshold: float = 1.5,
                  tree_capacity_tokens: int | None = None) -> None:
         if not replicas:
             raise InvalidRequestError("Router needs at least one replica")
