@@ -1,0 +1,266 @@
+"""Paged KV storage (`KVPool`) and the slot allocator that hands out its token slots.
+
+Layout: K and V are each one tensor `[num_layers, num_slots + page_size, kv_heads, head_dim]`.
+Token slot `s` of layer `l` lives at `k[l, s]`. Page `p` holds token slots
+`p * page_size .. p * page_size + page_size - 1`. Page 0 (slot 0 when page_size is 1) is a padding
+page that is never allocated: padded batch entries (e.g. CUDA-graph padding) write their K/V there.
+
+Ownership is per page (page_size 1: per slot). Every allocatable page is, at any time, free or
+owned by exactly one holder (a running request or one radix-tree node). `SlotAllocator.free`
+therefore takes token slots and returns to the pool every page that contains one of them; the
+caller must own those pages whole. This matches how the radix cache works with pages: tree keys
+are page-aligned, so a node always owns whole pages, and a request owns its unaligned last page.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidRequestError, RadixBackendError
+
+
+class SlotAccountingError(RadixBackendError, RuntimeError):
+    """A KV slot was freed twice, freed while never allocated, or is the reserved padding slot.
+
+    This is always a bug in the caller (scheduler / cache bookkeeping), never bad user input.
+    """
+
+
+@dataclass
+class KVPoolConfig:
+    """Shape of the KV cache of one model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V take across all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def kv_tokens_for_budget(cfg: KVPoolConfig, budget_bytes: int) -> int:
+    """How many token slots fit in `budget_bytes` of KV memory (0 if none)."""
+    if budget_bytes <= 0:
+        return 0
+    return int(budget_bytes) // cfg.bytes_per_token()
+
+
+def kv_budget_from_mem_fraction(device: torch.device | str, mem_fraction: float) -> int:
+    """Bytes left for the KV cache if everything in use on `device` may total `mem_fraction` of it.
+
+    Call after the weights are loaded: budget = free - total * (1 - mem_fraction), as in SGLang's
+    `mem_fraction_static`. On CPU the host's physical memory plays the role of device memory.
+    """
+    if not 0.0 < mem_fraction <= 1.0:
+        raise InvalidRequestError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        page = os.sysconf("SC_PAGE_SIZE")
+        free, total = os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    return max(0, int(free - total * (1.0 - mem_fraction)))
+
+
+class KVPool:
+    """Per-layer K and V buffers indexed by token slot (see the module docstring for the layout)."""
+
+    def __init__(self, cfg: KVPoolConfig, num_slots: int, page_size: int = 1) -> None:
+        _check_sizes(num_slots, page_size)
+        self.cfg = cfg
+        self.page_size = page_size
+        # Only whole pages are usable; a ragged remainder would be a page nobody can allocate.
+        self.num_slots = num_slots // page_size * page_size
+        shape = (cfg.num_layers, self.num_slots + page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_buffer = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)
+        self.v_buffer = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_buffer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_buffer.dtype
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """View `[num_slots + page_size, kv_heads, head_dim]` of layer `layer`'s keys."""
+        return self.k_buffer[layer]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        """View `[num_slots + page_size, kv_heads, head_dim]` of layer `layer`'s values."""
+        return self.v_buffer[layer]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K/V `[T, kv_heads, head_dim]` at `slots` `[T]` of `layer`."""
+        self.k_buffer[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v_buffer[layer].index_copy_(0, slots, v.to(self.dtype))
+
+    def size_bytes(self) -> int:
+        return 2 * self.k_buffer.numel() * self.k_buffer.element_size()
+
+    def make_allocator(self, debug: bool = False, device: torch.device | str = "cpu") -> "SlotAllocator":
+        """An allocator over exactly this pool's slots."""
+        return SlotAllocator(self.num_slots, self.page_size, device=device, debug=debug)
+
+
+def _check_sizes(num_slots: int, page_size: int) -> None:
+    if page_size < 1:
+        raise InvalidRequestError(f"page_size must be >= 1, got {page_size}")
+    if num_slots < page_size:
+        raise InvalidRequestError(
+            f"the KV pool needs at least one page ({page_size} token slots), got {num_slots}: raise kv_cache_tokens")
+
+
+class SlotAllocator:
+    """Hands out KV token slots, a whole page at a time (SGLang's TokenToKVPoolAllocator).
+
+    Free pages sit in a short list of int64 tensor chunks (no per-slot Python objects): `alloc`
+    slices the head chunk, `free` appends a chunk; chunks are merged only when the head runs short.
+    A boolean per-page "is free" mask catches double frees and frees of the padding page; the
+    check runs on CPU always (it is a vectorised gather) and on GPU only with `debug=True`, since
+    it needs a device sync there. `debug=True` also rejects duplicate slots in one `free` call and
+    re-verifies the free count on every call.
+
+    Not thread-safe: only the scheduler thread calls it.
+    """
+
+    def __init__(self, num_slots: int, page_size: int = 1, device: torch.device | str = "cpu",
+                 debug: bool = False) -> None:
+        _check_sizes(num_slots, page_size)
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size  # allocatable pages: 1 .. num_pages
+        self.device = torch.device(device)
+        self.debug = debug
+        self._check = debug or self.device.type == "cpu"
+        self.reset()
+
+    # --- accounting -------------------------------------------------------------------------
+    @property
+    def num_total(self) -> int:
+        """Allocatable token slots (the padding page excluded)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def num_free(self) -> int:
+        """Free token slots (whole free pages times page_size)."""
+        return self._num_free_pages * self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return self._num_free_pages
+
+    def available_size(self) -> int:
+        return self.num_free
+
+    def reset(self) -> None:
+        """Mark every page free again (drops all ownership; the caller must hold none)."""
+        self._chunks: list[torch.Tensor] = [
+            torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)]
+        self._num_free_pages = self.num_pages
+        self._page_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
+        self._page_free[0] = False  # the padding page is never free, never allocated
+
+    def free_slots(self) -> torch.Tensor:
+        """Every currently free token slot, sorted (for invariant checks; O(pool))."""
+        pages = torch.nonzero(self._page_free).flatten()
+        return self._pages_to_slots(pages)
+
+    def is_free(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool tensor: is the page of each slot free."""
+        return self._page_free[slots // self.page_size]
+
+    # --- allocation -------------------------------------------------------------------------
+    def pages_needed(self, cur_len: int, n: int) -> int:
+        """New pages that `alloc_extend(_, cur_len, n)` takes."""
+        room = (-cur_len) % self.page_size  # free slots left in the sequence's last page
+        return max(0, math.ceil((n - room) / self.page_size))
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`n` token slots starting on a fresh page, or None if there is not enough room (never partial)."""
+        return self.alloc_extend(None, 0, n)
+
+    def alloc_extend(self, last_slot: int | None, cur_len: int, n: int) -> torch.Tensor | None:
+        """`n` slots continuing a sequence of `cur_len` tokens whose last token sits at `last_slot`.
+
+        The rest of the sequence's current page is used first (slots last_slot+1, ...), then whole
+        new pages. With page_size 1 this is `alloc(n)`. Returns None (allocating nothing) if the
+        free pages do not suffice.
+        """
+        if n < 0 or cur_len < 0:
+            raise InvalidRequestError(f"alloc_extend needs n >= 0 and cur_len >= 0, got n={n}, cur_len={cur_len}")
+        ps = self.page_size
+        room = min((-cur_len) % ps, n)
+        if room and (last_slot is None or last_slot % ps != (cur_len - 1) % ps):
+            raise SlotAccountingError(
+                f"last_slot {last_slot} is not at offset {(cur_len - 1) % ps} of its page for a sequence of "
+                f"length {cur_len} (page_size {ps})")
+        k = self.pages_needed(cur_len, n)
+        if k > self._num_free_pages:
+            return None
+        pages = self._take_pages(k)
+        if ps == 1:
+            return pages
+        fresh = self._pages_to_slots(pages)[: n - room]
+        if not room:
+            return fresh
+        tail = torch.arange(last_slot + 1, last_slot + 1 + room, dtype=torch.int64, device=self.device)
+        return torch.cat((tail, fresh))
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return to the pool every page that holds one of `slots` (the caller owned them whole)."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(device=self.device, dtype=torch.int64).flatten()
+        # Copy: the caller's tensor may be a slice of a slot table it will overwrite later.
+        pages = slots.clone() if self.page_size == 1 else torch.unique(slots // self.page_size)
+        if self._check:
+            self._validate_free(pages)
+        self._page_free[pages] = True
+        self._chunks.append(pages)
+        self._num_free_pages += int(pages.numel())
+        if len(self._chunks) > 64:
+            self._chunks = [torch.cat(self._chunks)]
+        if self.debug and int(self._page_free.sum()) != self._num_free_pages:
+            raise SlotAccountingError("free-page count drifted from the free mask")
+
+    # --- internals --------------------------------------------------------------------------
+    def _validate_free(self, pages: torch.Tensor) -> None:
+        lo, hi = int(pages.min()), int(pages.max())
+        if lo < 1 or hi > self.num_pages:
+            bad = lo if lo < 1 else hi
+            what = "the reserved padding page" if bad == 0 else "out of range"
+            raise SlotAccountingError(
+                f"freeing page {bad} (page_size {self.page_size}), which is {what}; valid pages are 1..{self.num_pages}")
+        already = self._page_free[pages]
+        if bool(already.any()):
+            page = int(pages[already][0])
+            raise SlotAccountingError(f"double free of page {page} (slots {page * self.page_size}.."
+                                      f"{page * self.page_size + self.page_size - 1})")
+        if self.debug and self.page_size == 1 and torch.unique(pages).numel() != pages.numel():
+            raise SlotAccountingError("the same slot appears twice in one free() call")
+
+    def _take_pages(self, k: int) -> torch.Tensor:
+        if k == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if self._chunks[0].numel() < k:
+            self._chunks = [torch.cat(self._chunks)]
+        head = self._chunks[0]
+        pages, self._chunks[0] = head[:k], head[k:]
+        self._page_free[pages] = False
+        self._num_free_pages -= k
+        return pages
+
+    def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        if self.page_size == 1:
+            return pages
+        offs = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
+        return (pages[:, None] * self.page_size + offs[None, :]).flatten()

@@ -1,0 +1,365 @@
+"""Token-level radix tree over KV slot indices (SGLang's RadixAttention `RadixCache`).
+
+Each edge (`TreeNode`) holds a run of token ids (`key`) and the KV slots of those tokens
+(`value`, an int64 tensor of the same length). A root-to-node path spells a token prefix whose
+KV is cached. With page_size > 1 every key is a whole number of pages, children are keyed by
+their first page (a tuple) and matches are rounded down to whole pages, so a node always owns
+whole pages of the `SlotAllocator`.
+
+Ownership: the tree owns the slots of every token it holds; running requests lock the path of
+their matched prefix (`inc_lock_ref`) so it is never evicted. Eviction frees least-recently-used
+unlocked leaves (a logical clock, bumped on each match/insert, orders them).
+
+Not thread-safe on purpose: only the scheduler thread calls it, so no locks are taken.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import count
+
+import torch
+
+from .errors import InvalidRequestError
+from .kv_pool import SlotAccountingError, SlotAllocator
+
+_node_ids = count()
+
+
+class TreeNode:
+    """One edge of the radix tree: `key` tokens whose KV slots are `value`."""
+
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, access_time: int) -> None:
+        self.children: dict[int | tuple[int, ...], TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.lock_ref = 0  # running requests whose matched prefix passes through this node
+        self.last_access_time = access_time
+        self.id = next(_node_ids)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+
+
+@dataclass
+class MatchResult:
+    """The longest cached prefix of a query: its KV slots and the node it ends at."""
+
+    slots: torch.Tensor  # int64 [len]
+    last_node: TreeNode
+
+    def __len__(self) -> int:
+        return int(self.slots.numel())
+
+    @property
+    def len(self) -> int:
+        return int(self.slots.numel())
+
+
+@dataclass
+class RequestKV:
+    """A running request's KV after `cache_unfinished`: `slots[:prefix_len]` is owned by the tree
+    (on the path locked at `last_node`); `slots[prefix_len:]` is still the request's own."""
+
+    slots: torch.Tensor
+    prefix_len: int
+    last_node: TreeNode
+
+
+class RadixCache:
+    """Radix tree of cached prefixes; see the module docstring. Sizes are in tokens."""
+
+    def __init__(self, allocator: SlotAllocator, page_size: int = 1, disable: bool = False) -> None:
+        if allocator.page_size != page_size:
+            raise InvalidRequestError(
+                f"RadixCache page_size {page_size} differs from the allocator's {allocator.page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = disable
+        self.evicted_tokens_total = 0
+        self._init_tree()
+
+    # --- state ------------------------------------------------------------------------------
+    def _init_tree(self) -> None:
+        self._clock = 0
+        self.root = TreeNode([], self._empty(), None, 0)
+        self.root.lock_ref = 1  # the root is never evictable
+        self._evictable_size = 0
+        self._protected_size = 0
+        self._num_nodes = 0
+        self._evictable_leaves: set[TreeNode] = set()
+
+    def reset(self) -> None:
+        """Free every slot the tree owns and empty it. Call only while no node is locked."""
+        if self._protected_size:
+            raise SlotAccountingError(
+                f"reset() with {self._protected_size} tokens still locked by running requests")
+        self.allocator.free(self.all_slots())
+        self._init_tree()
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def num_nodes(self) -> int:
+        """Nodes besides the root."""
+        return self._num_nodes
+
+    def all_slots(self) -> torch.Tensor:
+        """Every slot the tree owns (for invariant checks; O(tree))."""
+        values = [n.value for n in self._iter_nodes()]
+        return torch.cat(values) if values else self._empty()
+
+    # --- lookup / insert --------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached (page-aligned) prefix of `token_ids`.
+
+        If the match ends inside a node, that node is split so `last_node` covers exactly the
+        match. Every node on the path gets a fresh access time. Disabled: empty match at root.
+        """
+        key = self._aligned_key(token_ids)
+        if self.disable or not key:
+            return MatchResult(self._empty(), self.root)
+        now = self._tick()
+        node, pos, values = self.root, 0, []
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            n = self._match_len(child.key, key, pos)
+            ends_inside = n < len(child.key)
+            if ends_inside:
+                child = self._split(child, n)
+            child.last_access_time = now  # after the split: the unmatched rest keeps its age
+            values.append(child.value)
+            node, pos = child, pos + n
+            if ends_inside:
+                break
+        slots = torch.cat(values) if len(values) > 1 else (values[0] if values else self._empty())
+        return MatchResult(slots, node)
+
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
+        """Cache the (page-aligned) prefix of `token_ids` whose KV sits at `slots`.
+
+        Returns how many leading tokens were already in the tree: the caller still owns (and
+        should free) its slots for those beyond its own matched prefix; the tree takes ownership
+        of the slots of the newly inserted tokens only (it copies the tensor). When disabled the
+        tree takes nothing and returns the aligned length, so that same caller code frees all.
+        """
+        key = self._aligned_key(token_ids)
+        if self.disable or not key:
+            return len(key)
+        if slots.numel() < len(key):
+            raise InvalidRequestError(f"insert got {len(key)} tokens but only {slots.numel()} slots")
+        now = self._tick()
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            n = self._match_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            node, pos = child, pos + n
+        if pos < len(key):
+            self._add_leaf(node, key[pos:], slots[pos:len(key)].to(device=self.allocator.device, dtype=torch.int64).clone(), now)
+        return pos
+
+    # --- locking ----------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock `node` and its ancestors (a running request uses that prefix). Returns the change
+        in evictable size."""
+        delta = 0
+        while node is not self.root:
+            if node.lock_ref == 0:
+                size = len(node.key)
+                self._evictable_size -= size
+                self._protected_size += size
+                delta -= size
+                self._evictable_leaves.discard(node)
+            node.lock_ref += 1
+            node = node.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one `inc_lock_ref(node)`. Returns the change in evictable size."""
+        delta = 0
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise SlotAccountingError(f"dec_lock_ref on unlocked node {node!r}")
+            if node.lock_ref == 1:
+                size = len(node.key)
+                self._evictable_size += size
+                self._protected_size -= size
+                delta += size
+                if not node.children:
+                    self._evictable_leaves.add(node)
+            node.lock_ref -= 1
+            node = node.parent
+        return delta
+
+    # --- eviction ---------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free least-recently-used unlocked leaves until `num_tokens` tokens are freed (or nothing
+        evictable is left). A parent left childless and unlocked becomes a candidate. Returns the
+        tokens evicted (whole nodes, so it can exceed `num_tokens`)."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(n.last_access_time, n.id, n) for n in self._evictable_leaves]
+        heapq.heapify(heap)
+        evicted, freed = 0, []
+        while evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            freed.append(node.value)
+            evicted += len(node.key)
+            parent = node.parent
+            self._delete_leaf(node)
+            if parent in self._evictable_leaves:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        if freed:
+            self.allocator.free(torch.cat(freed))
+        self.evicted_tokens_total += evicted
+        return evicted
+
+    # --- request helpers (the scheduler's two hand-over points) -------------------------------
+    def cache_finished(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int,
+                       last_node: TreeNode) -> int:
+        """Hand a finished (or aborted) request's KV to the tree and drop its lock.
+
+        `slots[i]` holds the KV of `token_ids[i]`; `slots[:prefix_len]` came from `match_prefix`
+        with `last_node`, which this request locked. Duplicate slots (tokens another request
+        cached meanwhile) and the unaligned tail are freed. Returns tokens newly cached.
+        """
+        n = int(slots.numel())
+        if self.disable:
+            self.allocator.free(slots[prefix_len:])
+            return 0
+        aligned = n - n % self.page_size
+        already = self.insert(list(token_ids[:aligned]), slots[:aligned])
+        if already < prefix_len:
+            raise SlotAccountingError(f"locked prefix of {prefix_len} tokens shrank to {already}")
+        self.allocator.free(slots[prefix_len:already])
+        self.allocator.free(slots[aligned:])
+        self.dec_lock_ref(last_node)
+        return aligned - already
+
+    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int,
+                         last_node: TreeNode) -> RequestKV:
+        """Cache a still-running request's KV so far (chunked prefill) and move its lock forward.
+
+        Same arguments as `cache_finished`. The request keeps its unaligned tail; its duplicate
+        slots are freed and replaced by the tree's. Use the returned slots/prefix_len/last_node.
+        """
+        if self.disable:
+            return RequestKV(slots, prefix_len, last_node)
+        n = int(slots.numel())
+        aligned = n - n % self.page_size
+        key = list(token_ids[:aligned])
+        already = self.insert(key, slots[:aligned])
+        if already < prefix_len:
+            raise SlotAccountingError(f"locked prefix of {prefix_len} tokens shrank to {already}")
+        self.allocator.free(slots[prefix_len:already])
+        match = self.match_prefix(key)
+        if len(match) != aligned:
+            raise SlotAccountingError(f"re-match after insert found {len(match)} of {aligned} tokens")
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(last_node)
+        new_slots = torch.cat((match.slots, slots[aligned:].to(match.slots.device)))
+        return RequestKV(new_slots, aligned, match.last_node)
+
+    # --- debugging --------------------------------------------------------------------------
+    def pretty_print(self, max_tokens: int = 8) -> str:
+        """An indented dump of the tree (keys truncated to `max_tokens`)."""
+        lines = [f"root (nodes={self._num_nodes}, tokens={self.total_size()}, "
+                 f"evictable={self._evictable_size}, protected={self._protected_size})"]
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in sorted(node.children.values(), key=lambda c: c.id):
+                key = child.key[:max_tokens]
+                more = "..." if len(child.key) > max_tokens else ""
+                lines.append(f"{'  ' * depth}{key}{more} len={len(child.key)} lock={child.lock_ref} "
+                             f"t={child.last_access_time} slots={child.value[:max_tokens].tolist()}{more}")
+                walk(child, depth + 1)
+
+        walk(self.root, 1)
+        return "\n".join(lines)
+
+    # --- internals --------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+
+    def _aligned_key(self, token_ids: Sequence[int]) -> list[int]:
+        key = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        if self.page_size > 1:
+            del key[len(key) - len(key) % self.page_size:]
+        return key
+
+    def _child_key(self, key: list[int], pos: int) -> int | tuple[int, ...]:
+        return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
+
+    def _match_len(self, node_key: list[int], key: list[int], pos: int) -> int:
+        """Page-aligned length of the common prefix of `node_key` and `key[pos:]`."""
+        n = min(len(node_key), len(key) - pos)
+        if node_key[:n] == key[pos:pos + n]:  # the common case, compared in C
+            return n
+        i = 0
+        while node_key[i] == key[pos + i]:
+            i += 1
+        return i - i % self.page_size
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child` after `n` tokens; return the new upper node (same lock and access time)."""
+        upper = TreeNode(child.key[:n], child.value[:n], child.parent, child.last_access_time)
+        upper.lock_ref = child.lock_ref
+        child.key, child.value = child.key[n:], child.value[n:]
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        upper.parent.children[self._child_key(upper.key, 0)] = upper
+        self._num_nodes += 1
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int) -> None:
+        leaf = TreeNode(key, value, parent, now)
+        parent.children[self._child_key(key, 0)] = leaf
+        self._evictable_leaves.discard(parent)
+        self._evictable_leaves.add(leaf)
+        self._evictable_size += len(key)
+        self._num_nodes += 1
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[self._child_key(node.key, 0)]
+        self._evictable_leaves.discard(node)
+        self._evictable_size -= len(node.key)
+        self._num_nodes -= 1
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            self._evictable_leaves.add(parent)
+
+    def _iter_nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
