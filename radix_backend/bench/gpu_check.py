@@ -1,0 +1,477 @@
+"""One prepared GPU check (< 8 min on one H100/H200): `python -m radix_backend.bench.gpu_check`.
+
+1. correctness: Triton and FlashInfer attention backends (decode, extend, cascade) and the Triton
+   fused ops against the torch reference on random ragged batches, fp32 and bf16; the CUDA-graph
+   decode runner against eager;
+2. kernel timing with CUDA events (median of many runs; each timed call is replayed from a CUDA
+   graph when the backend allows it, so Python launch overhead is not counted): decode at batch 64 /
+   context 2048 and an extend (prefill with cached prefix) shape, for triton, flashinfer, the torch
+   backend and dense SDPA (no paging, a lower bound);
+3. end to end: the few-shot and branching workloads on the embedded SmolLM2 through
+   `radix_backend.Engine(attention_backend=...)` for every available backend;
+then prints a short table (last) and writes `$OUT/gpu_check.json` when `$OUT` is set.
+
+Every section is guarded: a failure is recorded in the report and the next section still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+# Targets from issue 5: Triton time / FlashInfer time.
+TARGETS = {"decode": 1.3, "extend": 1.5}
+
+
+@dataclass
+class AttnShape:
+    """One attention workload: per-request prefix and new-token counts, heads, head dim."""
+
+    name: str
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def kind(self) -> str:
+        return "decode" if all(e == 1 for e in self.extend_lens) else "extend"
+
+
+def bench_shapes(quick: bool = False) -> list[AttnShape]:
+    """Llama-3-8B-like layer (32 q / 8 kv heads, d 128) and the SmolLM2 layer (9 / 3, d 64)."""
+    b_dec, ctx = (8, 512) if quick else (64, 2048)
+    b_ext, pre, ext = (2, 256, 128) if quick else (8, 1024, 512)
+    return [
+        AttnShape(f"decode b{b_dec} ctx{ctx} 32/8x128", [ctx - 1] * b_dec, [1] * b_dec, 32, 8, 128),
+        AttnShape(f"decode b{b_dec} ctx{ctx} 9/3x64", [ctx - 1] * b_dec, [1] * b_dec, 9, 3, 64),
+        AttnShape(f"extend b{b_ext} pre{pre}+{ext} 32/8x128", [pre] * b_ext, [ext] * b_ext, 32, 8, 128),
+        AttnShape(f"prefill b{b_ext // 2 or 1} {2 * ext} 32/8x128", [0] * (b_ext // 2 or 1),
+                  [2 * ext] * (b_ext // 2 or 1), 32, 8, 128),
+    ]
+
+
+def correctness_shapes() -> list[AttnShape]:
+    """Small ragged cases: prefix 0, GQA 1/3/4, head dims 64/128, decode and extend."""
+    return [
+        AttnShape("decode mha d64", [0, 17, 300, 1000], [1] * 4, 8, 8, 64),
+        AttnShape("decode gqa4 d128", [5, 2047, 64, 511], [1] * 4, 32, 8, 128),
+        AttnShape("decode gqa3 d64", [100, 3, 777], [1] * 3, 9, 3, 64),
+        AttnShape("extend gqa4 d128", [0, 40, 300], [7, 129, 64], 32, 8, 128),
+        AttnShape("extend gqa3 d64", [0, 0, 513], [1, 200, 33], 9, 3, 64),
+    ]
+
+
+def make_batch(shape: AttnShape, dtype: torch.dtype, device: str, seed: int = 0, shared_prefix: int = 0,
+               extra_slots: int = 64):
+    """Random q/k/v and caches; sequences on shuffled slots >= 1 (slot 0 is the padding slot).
+
+    With `shared_prefix` > 0 every request's first `shared_prefix` tokens use the same slots
+    (a forked batch, what FlashInfer's cascade path is for).
+    """
+    from radix_backend.kernels.attention_base import AttentionMetadata
+    g = torch.Generator().manual_seed(seed)
+    seq = [p + e for p, e in zip(shape.prefix_lens, shape.extend_lens)]
+    if shared_prefix > min(shape.prefix_lens):
+        raise ValueError("shared_prefix must not exceed the shortest prefix")
+    own = sum(s - shared_prefix for s in seq)
+    num_slots = shared_prefix + own + extra_slots
+    perm = torch.randperm(num_slots - 1, generator=g) + 1
+    shared, rest = perm[:shared_prefix], perm[shared_prefix:]
+    kv, out, off = [], [], 0
+    for p, s in zip(shape.prefix_lens, seq):
+        slots = torch.cat([shared, rest[off: off + s - shared_prefix]])
+        off += s - shared_prefix
+        kv.append(slots)
+        out.append(slots[p:])
+    meta = AttentionMetadata.build(shape.prefix_lens, shape.extend_lens, torch.cat(kv).to(device),
+                                   torch.cat(out).to(device), device)
+    n, hq, hkv, d = sum(shape.extend_lens), shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+
+    def rnd(*dims: int) -> torch.Tensor:
+        return torch.randn(*dims, generator=g).to(device=device, dtype=dtype)
+    return rnd(n, hq, d), rnd(n, hkv, d), rnd(n, hkv, d), rnd(num_slots, hkv, d), rnd(num_slots, hkv, d), meta
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+@dataclass
+class Report:
+    """Everything the run measured; serialised to JSON and summarised as a table."""
+
+    device: str = ""
+    started: str = ""
+    correctness: list[dict[str, Any]] = field(default_factory=list)
+    timings: list[dict[str, Any]] = field(default_factory=list)
+    e2e: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+
+    def guard(self, section: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # a broken section must not hide the others' results
+            self.errors.append(f"{section}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+
+
+# ----------------------------------------------------------------------------- backends
+
+def make_backend(name: str, device: str, **kw) -> Any:
+    from radix_backend.kernels import create_attention_backend
+    return create_attention_backend(name, device, **kw)
+
+
+def available_kernel_backends(device: str) -> list[str]:
+    from radix_backend.kernels.registry import available_backends
+    return available_backends(device)
+
+
+# ----------------------------------------------------------------------------- 1. correctness
+
+def check_attention(report: Report, device: str, backends: list[str]) -> None:
+    ref_backend = make_backend("torch", device)
+    cases = [(s, 0) for s in correctness_shapes()]
+    cases.append((AttnShape("cascade decode gqa4", [600, 700, 650, 900, 601], [1] * 5, 32, 8, 128), 512))
+    cases.append((AttnShape("cascade extend gqa4", [600, 700, 650, 900], [9, 1, 40, 3], 32, 8, 128), 512))
+    for name in backends:
+        if name == "torch":
+            continue
+        dtypes = [torch.bfloat16] if name == "flashinfer" else [torch.float32, torch.bfloat16]
+        for dtype in dtypes:
+            for i, (shape, shared) in enumerate(cases):
+                kw = {"cascade_min_batch": 4, "cascade_min_prefix": 256} if name == "flashinfer" else {}
+                backend = make_backend(name, device, **kw)
+                q, k, v, kc, vc, meta = make_batch(shape, dtype, device, seed=i, shared_prefix=shared)
+                kc_ref, vc_ref = kc.clone(), vc.clone()
+                ref = ref_backend.forward(q, k, v, kc_ref, vc_ref, meta, shape.head_dim ** -0.5)
+                backend.begin_forward(meta)
+                out = backend.forward(q, k, v, kc, vc, meta, shape.head_dim ** -0.5)
+                err = rel_err(out, ref)
+                plan = getattr(getattr(backend, "_plan", None), "kind", "")
+                report.correctness.append(dict(check=f"{name} {shape.name}" + (f" [{plan}]" if plan else ""),
+                                               dtype=str(dtype).removeprefix("torch."), rel_err=err,
+                                               ok=bool(err < tolerance(dtype) and torch.equal(kc, kc_ref))))
+
+
+def check_ops(report: Report, device: str) -> None:
+    from radix_backend.kernels import ops, triton_ops
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(300, 576, generator=g).to(device=device, dtype=dtype)
+        r = torch.randn(300, 576, generator=g).to(device=device, dtype=dtype)
+        w = torch.randn(576, generator=g).to(device=device, dtype=dtype)
+        gu = torch.randn(300, 2 * 1536, generator=g).to(device=device, dtype=dtype)
+        cache = ops.build_cos_sin_cache(ops.default_inv_freq(64, 100000.0), 4096).to(device)
+        q = torch.randn(300, 9, 64, generator=g).to(device=device, dtype=dtype)
+        k = torch.randn(300, 3, 64, generator=g).to(device=device, dtype=dtype)
+        pos = torch.randint(0, 4096, (300,), generator=g).to(device)
+        pairs = {
+            "rms_norm": (triton_ops.rms_norm(x, w, 1e-5), ops.rms_norm_torch(x, w, 1e-5)),
+            "fused_add_rms_norm": (torch.cat(triton_ops.fused_add_rms_norm(x, r, w, 1e-5)),
+                                   torch.cat(ops.fused_add_rms_norm_torch(x, r, w, 1e-5))),
+            "silu_and_mul": (triton_ops.silu_and_mul(gu), ops.silu_and_mul_torch(gu)),
+            "apply_rotary": (torch.cat([t.flatten() for t in triton_ops.apply_rotary(q, k, pos, cache)]),
+                             torch.cat([t.flatten() for t in ops.apply_rotary_torch(q, k, pos, cache)])),
+        }
+        for name, (got, ref) in pairs.items():
+            err = rel_err(got, ref)
+            report.correctness.append(dict(check=f"triton op {name}", dtype=str(dtype).removeprefix("torch."),
+                                           rel_err=err, ok=bool(err < tolerance(dtype))))
+
+
+def check_cuda_graph(report: Report, device: str) -> None:
+    """Graph replay of a one-layer decoder over the Triton backend equals eager execution."""
+    from radix_backend.kernels.cuda_graph import CudaGraphDecodeRunner
+    shape = AttnShape("graph", [0], [1], 8, 2, 64)
+    _, _, _, kc, vc, _ = make_batch(shape, torch.bfloat16, device, extra_slots=4000)
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(64, 10 * 64, generator=g) / 8).to(device=device, dtype=torch.bfloat16)
+    emb = torch.randn(100, 64, generator=g).to(device=device, dtype=torch.bfloat16)
+
+    def decoder(backend):
+        def fn(ids, pos, meta):
+            h = emb[ids] @ w
+            q, k, v = h.view(-1, 10, 64).split([8, 1, 1], dim=1)
+            k, v = k.expand(-1, 2, -1), v.expand(-1, 2, -1)
+            backend.begin_forward(meta)
+            return backend.forward(q, k, v, kc, vc, meta, 0.125).float().sum(-1)
+        return fn
+
+    runner = CudaGraphDecodeRunner(decoder(make_backend("triton", device)), max_batch_size=16, max_kv_tokens=4000,
+                                   device=device, max_context_len=1024)
+    runner.capture()
+    eager = decoder(make_backend("triton", device))
+    worst = 0.0
+    for seed, lens in enumerate([[5, 300, 17], [300] * 9, [64] * 16]):
+        sub = AttnShape("graph", [n - 1 for n in lens], [1] * len(lens), 8, 2, 64)
+        # Slots stay below the 4001 rows of kc/vc.
+        _, _, _, _, _, meta = make_batch(sub, torch.bfloat16, device, seed=seed + 10, extra_slots=3990 - sum(lens))
+        ids = torch.randint(0, 100, (len(lens),), device=device)
+        pos = torch.tensor([n - 1 for n in lens], device=device)
+        got = runner.run(ids, pos, meta).clone()
+        worst = max(worst, rel_err(got, eager(ids, pos, meta)))
+    report.correctness.append(dict(check="cuda-graph decode replay (triton)", dtype="bfloat16", rel_err=worst,
+                                   ok=bool(worst < 1e-2)))
+
+
+# ----------------------------------------------------------------------------- 2. timing
+
+def cuda_time_ms(fn: Callable[[], Any], iters: int, reps_per_graph: int = 10,
+                 use_graph: bool = True) -> tuple[float, str]:
+    """Median ms per call, CUDA events. Replays `reps_per_graph` calls per graph when capturable."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    mode, graph = "eager", None
+    if use_graph:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps_per_graph):
+                    fn()
+            mode = "graph"
+        except Exception:  # e.g. host syncs inside fn: time eagerly instead
+            graph = None
+            torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / (reps_per_graph if graph is not None else 1))
+    return statistics.median(samples), mode
+
+
+def dense_sdpa_fn(shape: AttnShape, q: torch.Tensor, k_cache: torch.Tensor) -> Callable[[], Any]:
+    """Unpaged SDPA on contiguous [B, H, L, D] tensors: the no-gather lower bound."""
+    import torch.nn.functional as F
+    b, seq = len(shape.prefix_lens), shape.prefix_lens[0] + shape.extend_lens[0]
+    ext = shape.extend_lens[0]
+    qd = q.view(b, ext, shape.num_q_heads, shape.head_dim).transpose(1, 2).contiguous()
+    kd = torch.randn(b, shape.num_kv_heads, seq, shape.head_dim, device=q.device, dtype=q.dtype)
+    vd = torch.randn_like(kd)
+    causal = shape.kind != "decode"
+    if causal and shape.prefix_lens[0]:
+        mask = torch.ones(ext, seq, dtype=torch.bool, device=q.device).tril(diagonal=shape.prefix_lens[0])
+        return lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True)
+    return lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, enable_gqa=True)
+
+
+def bench_attention(report: Report, device: str, backends: list[str], iters: int, quick: bool) -> None:
+    for shape in bench_shapes(quick):
+        q, k, v, kc, vc, meta = make_batch(shape, torch.bfloat16, device, seed=1)
+        scale = shape.head_dim ** -0.5
+        for name in [b for b in backends] + ["sdpa_dense"]:
+            if name == "sdpa_dense":
+                fn = dense_sdpa_fn(shape, q, kc)
+            else:
+                backend = make_backend(name, device)
+                backend.begin_forward(meta)
+                backend.forward(q, k, v, kc, vc, meta, scale)  # plan + compile outside the timing
+
+                def fn(backend=backend):
+                    return backend.forward(q, k, v, kc, vc, meta, scale)
+            ms, mode = cuda_time_ms(fn, iters)
+            report.timings.append(dict(shape=shape.name, kind=shape.kind, backend=name, ms=ms, mode=mode))
+    report.targets = evaluate_targets(report.timings)
+
+
+def evaluate_targets(timings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Triton / FlashInfer time ratio per shape against the issue's targets."""
+    by = {(t["shape"], t["backend"]): t for t in timings}
+    out = []
+    for (shape, backend), t in by.items():
+        fi = by.get((shape, "flashinfer"))
+        if backend != "triton" or fi is None or fi["ms"] <= 0:
+            continue
+        ratio = t["ms"] / fi["ms"]
+        target = TARGETS[t["kind"]]
+        out.append(dict(shape=shape, ratio=ratio, target=target, ok=ratio <= target))
+    return out
+
+
+# ----------------------------------------------------------------------------- 3. end to end
+
+FEW_SHOT_EXAMPLES = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Egypt", "Cairo"),
+                     ("Canada", "Ottawa"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Norway", "Oslo")]
+FEW_SHOT_QUERIES = ["Spain", "Germany", "Brazil", "India", "China", "Mexico", "Chile", "Greece", "Turkey",
+                    "Poland", "Sweden", "Finland", "Ireland", "Portugal", "Austria", "Hungary", "Cuba", "Iran",
+                    "Iraq", "Nepal", "Ghana", "Mali", "Chad", "Fiji", "Laos", "Oman", "Qatar", "Yemen", "Togo",
+                    "Benin", "Niger", "Gabon"]
+
+
+def few_shot_prompts(n: int) -> list[str]:
+    """n prompts sharing one long few-shot prefix (the radix cache serves it after the first)."""
+    prefix = "Answer with the capital city.\n\n" + "".join(
+        f"Country: {c}\nCapital: {cap}\n\n" for c, cap in FEW_SHOT_EXAMPLES * 3)
+    queries = (FEW_SHOT_QUERIES * (n // len(FEW_SHOT_QUERIES) + 1))[:n]
+    return [f"{prefix}Country: {q}\nCapital:" for q in queries]
+
+
+def branching_prompts(base: str, width: int) -> list[str]:
+    """`width` continuations forked from one shared context (tree-of-thought style)."""
+    return [f"{base}\nIdea {i + 1} of {width}, take a different angle:" for i in range(width)]
+
+
+BRANCH_BASE = ("You are planning a small garden on a sunny balcony. List practical ideas, each one short "
+               "and specific, considering light, water, containers and the season.")
+
+
+def run_workloads(engine: Any, quick: bool) -> dict[str, Any]:
+    from radix_backend import SamplingParams
+    params = SamplingParams(max_new_tokens=16 if quick else 32, temperature=0.0)
+    results: dict[str, Any] = {}
+    for name, prompts_fn in (("few_shot", lambda: few_shot_prompts(16 if quick else 64)),
+                             ("branching", lambda: _branching_two_levels(engine, params, quick))):
+        engine.flush_cache()
+        before = engine.cache_stats()
+        start = time.perf_counter()
+        outs = prompts_fn() if name == "branching" else engine.generate(prompts_fn(), params)
+        wall = time.perf_counter() - start
+        after = engine.cache_stats()
+        prompt_tokens = after.prompt_tokens - before.prompt_tokens
+        hit_rate = (after.cached_tokens - before.cached_tokens) / max(prompt_tokens, 1)
+        tokens = sum(len(o.token_ids) for o in outs)
+        results[name] = dict(requests=len(outs), wall_s=wall, tokens=tokens, tok_per_s=tokens / max(wall, 1e-9),
+                             hit_rate=hit_rate, texts=[o.text for o in outs])
+    return results
+
+
+def _branching_two_levels(engine: Any, params: Any, quick: bool) -> list[Any]:
+    width = 4 if quick else 8
+    first = engine.generate(branching_prompts(BRANCH_BASE, width), params)
+    second_prompts = [p + o.text + "\nRefine it:" for p, o in zip(branching_prompts(BRANCH_BASE, width), first)
+                      for _ in range(2)]
+    second = engine.generate([p + f" (variant {i % 2})" for i, p in enumerate(second_prompts)], params)
+    return list(first) + list(second)
+
+
+def bench_e2e(report: Report, device: str, backends: list[str], quick: bool, kv_cache_tokens: int = 200_000,
+              engine_factory: Callable[..., Any] | None = None, warmup: bool = True) -> None:
+    if engine_factory is None:
+        try:
+            from radix_backend import Engine as engine_factory
+        except ImportError as exc:
+            report.errors.append(f"e2e: radix_backend.Engine not importable: {exc}")
+            return
+    reference: dict[str, list[str]] = {}
+    for name in backends:
+        start = time.perf_counter()
+        with engine_factory(device=device, attention_backend=name, kv_cache_tokens=kv_cache_tokens) as engine:
+            load_s = time.perf_counter() - start
+            if warmup:
+                run_workloads(engine, quick=True)  # compiles kernels, fills allocator caches
+            results = run_workloads(engine, quick)
+        for workload, r in results.items():
+            texts = r.pop("texts")
+            reference.setdefault(workload, texts)
+            same = sum(a == b for a, b in zip(texts, reference[workload])) / max(len(texts), 1)
+            report.e2e.append(dict(backend=name, workload=workload, load_s=load_s, same_as_first=same, **r))
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- report
+
+def format_table(report: Report) -> str:
+    lines = ["== correctness (rel. error vs torch reference)"]
+    for c in report.correctness:
+        lines.append(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['check']:<52} {c['dtype']:<9} {c['rel_err']:.2e}")
+    if report.timings:
+        lines.append("== attention time per layer call, ms (median, CUDA events)")
+        shapes = list(dict.fromkeys(t["shape"] for t in report.timings))
+        names = list(dict.fromkeys(t["backend"] for t in report.timings))
+        by = {(t["shape"], t["backend"]): t for t in report.timings}
+        lines.append("  " + f"{'shape':<34}" + "".join(f"{n:>12}" for n in names))
+        for s in shapes:
+            cells = "".join(f"{by[(s, n)]['ms']:>12.4f}" if (s, n) in by else f"{'-':>12}" for n in names)
+            lines.append(f"  {s:<34}{cells}")
+    for t in report.targets:
+        lines.append(f"  target {t['shape']}: triton/flashinfer = {t['ratio']:.2f}x (<= {t['target']}x) "
+                     f"{'ok' if t['ok'] else 'MISSED'}")
+    if report.e2e:
+        lines.append("== end to end on SmolLM2-135M")
+        for e in report.e2e:
+            lines.append(f"  {e['backend']:<11} {e['workload']:<10} {e['requests']:>4} req {e['tok_per_s']:>9.1f} tok/s "
+                         f"hit {e['hit_rate']:.2f} same-as-first {e['same_as_first']:.2f} (load {e['load_s']:.1f}s)")
+    for err in report.errors:
+        lines.append(f"  ERROR {err}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m radix_backend.bench.gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
+    p.add_argument("--backends", default="auto",
+                   help="comma list of torch,triton,flashinfer (default: those available)")
+    p.add_argument("--iters", type=int, default=50, help="timed samples per kernel (default: 50)")
+    p.add_argument("--quick", action="store_true", help="small shapes and workloads (smoke run)")
+    p.add_argument("--skip-correctness", action="store_true")
+    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default: $OUT)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = Report(device=args.device, started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    if torch.device(args.device).type != "cuda" or not torch.cuda.is_available():
+        print(f"gpu_check needs a CUDA device (got {args.device!r}, cuda available: {torch.cuda.is_available()})",
+              file=sys.stderr)
+        return 2
+    report.device = torch.cuda.get_device_name(torch.device(args.device))
+    backends = available_kernel_backends(args.device) if args.backends == "auto" else args.backends.split(",")
+    t0 = time.perf_counter()
+    if not args.skip_correctness:
+        report.guard("attention correctness", lambda: check_attention(report, args.device, backends))
+        if "triton" in backends:
+            report.guard("ops correctness", lambda: check_ops(report, args.device))
+            report.guard("cuda graph", lambda: check_cuda_graph(report, args.device))
+    print(f"[gpu_check] correctness done at {time.perf_counter() - t0:.0f}s", flush=True)
+    if not args.skip_bench:
+        report.guard("kernel timing", lambda: bench_attention(report, args.device, backends, args.iters, args.quick))
+    print(f"[gpu_check] timing done at {time.perf_counter() - t0:.0f}s", flush=True)
+    if not args.skip_e2e:
+        report.guard("end to end", lambda: bench_e2e(report, args.device, backends, args.quick))
+    print(f"[gpu_check] e2e done at {time.perf_counter() - t0:.0f}s", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(asdict(report), f, indent=1)
+    print(format_table(report))
+    failed = any(not c["ok"] for c in report.correctness) or bool(report.errors)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The GPU check script's CPU-side logic: CLI, batch builder, workloads, targets, report table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from radix_backend.bench import gpu_check as gc
+
+
+def test_help_runs_and_lists_sections() -> None:
+    out = subprocess.run([sys.executable, "-m", "radix_backend.bench.gpu_check", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--skip-e2e" in out and "--quick" in out and "$OUT" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit path")
+def test_main_without_cuda_exits_2(capsys) -> None:
+    assert gc.main(["--skip-e2e"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_bench_shapes_cover_issue_targets() -> None:
+    shapes = {s.name: s for s in gc.bench_shapes()}
+    decode = next(s for s in shapes.values() if s.kind == "decode")
+    assert len(decode.prefix_lens) == 64 and decode.prefix_lens[0] + 1 == 2048
+    assert any(s.kind == "extend" and s.prefix_lens[0] > 0 for s in shapes.values())
+    assert all(s.num_q_heads % s.num_kv_heads == 0 for s in gc.bench_shapes(quick=True) + gc.correctness_shapes())
+
+
+def test_make_batch_layout_and_shared_prefix() -> None:
+    shape = gc.AttnShape("t", [6, 9, 7], [1, 3, 2], 4, 2, 8)
+    q, k, v, kc, vc, meta = gc.make_batch(shape, torch.float32, "cpu", shared_prefix=5)
+    assert q.shape == (6, 4, 8) and k.shape == (6, 2, 8) and kc.shape[1:] == (2, 8)
+    assert meta.seq_lens_cpu == [7, 12, 9] and meta.kv_indices.shape[0] == 28
+    starts = meta.kv_indptr[:-1].tolist()
+    rows = [meta.kv_indices[s:s + 5].tolist() for s in starts]
+    assert rows[0] == rows[1] == rows[2], "shared prefix slots"
+    own = torch.cat([meta.kv_indices[s + 5:e] for s, e in zip(starts, meta.kv_indptr[1:].tolist())])
+    assert len(set(own.tolist())) == own.numel() and 0 not in meta.kv_indices.tolist()
+    # out_slots are the last extend_lens slots of each sequence
+    expect = torch.cat([meta.kv_indices[e - n:e] for e, n in zip(meta.kv_indptr[1:].tolist(), [1, 3, 2])])
+    assert torch.equal(meta.out_slots, expect)
+    with pytest.raises(ValueError):
+        gc.make_batch(shape, torch.float32, "cpu", shared_prefix=7)
+
+
+def test_torch_reference_sanity_on_cpu_batches() -> None:
+    """The reference the script compares against agrees with itself across layouts (fp32)."""
+    from radix_backend.kernels.torch_backend import TorchAttentionBackend
+    shape = gc.AttnShape("t", [0, 12], [5, 1], 4, 2, 16)
+    q, k, v, kc, vc, meta = gc.make_batch(shape, torch.float32, "cpu")
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 0.25)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert gc.rel_err(out, out) == 0.0
+
+
+def test_evaluate_targets() -> None:
+    timings = [dict(shape="d", kind="decode", backend="triton", ms=1.2, mode="graph"),
+               dict(shape="d", kind="decode", backend="flashinfer", ms=1.0, mode="graph"),
+               dict(shape="e", kind="extend", backend="triton", ms=2.0, mode="graph"),
+               dict(shape="e", kind="extend", backend="flashinfer", ms=1.0, mode="graph"),
+               dict(shape="x", kind="decode", backend="triton", ms=1.0, mode="graph")]
+    got = {t["shape"]: t for t in gc.evaluate_targets(timings)}
+    assert set(got) == {"d", "e"}
+    assert got["d"]["ok"] and got["d"]["ratio"] == pytest.approx(1.2)
+    assert not got["e"]["ok"] and got["e"]["target"] == 1.5
+
+
+def test_workload_prompts_share_prefixes() -> None:
+    prompts = gc.few_shot_prompts(40)
+    assert len(prompts) == 40 and len(set(prompts)) == len(gc.FEW_SHOT_QUERIES)
+    head = prompts[0][: prompts[0].rindex("Country:")]
+    assert all(p.startswith(head) for p in prompts) and len(head) > 300
+    branches = gc.branching_prompts("BASE", 5)
+    assert len(set(branches)) == 5 and all(b.startswith("BASE\n") for b in branches)
+
+
+@dataclass
+class _Out:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class _Stats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class FakeEngine:
+    """Records prompts; echoes a deterministic completion; counts prompt tokens as characters."""
+
+    backend: str
+    prompts: list[str] = field(default_factory=list)
+    stats: _Stats = field(default_factory=_Stats)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def generate(self, prompts, params):
+        self.prompts += prompts
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        self.stats.cached_tokens += sum(len(p) // 2 for p in prompts)
+        suffix = "" if self.backend == "torch" else "!"
+        return [_Out(text=p[-3:] + suffix, token_ids=[1] * params.max_new_tokens) for p in prompts]
+
+    def flush_cache(self):
+        return True
+
+    def cache_stats(self):
+        return _Stats(self.stats.prompt_tokens, self.stats.cached_tokens)
+
+
+def test_bench_e2e_plumbing_with_fake_engine() -> None:
+    made = []
+
+    def factory(device, attention_backend, kv_cache_tokens):
+        made.append(FakeEngine(attention_backend))
+        return made[-1]
+    report = gc.Report()
+    gc.bench_e2e(report, "cpu", ["torch", "triton"], quick=True, engine_factory=factory)
+    assert [e["backend"] for e in report.e2e] == ["torch", "torch", "triton", "triton"]
+    few, branch = report.e2e[0], report.e2e[1]
+    assert few["workload"] == "few_shot" and few["requests"] == 16 and few["tokens"] == 16 * 16
+    assert branch["workload"] == "branching" and branch["requests"] == 4 + 8
+    assert few["hit_rate"] == pytest.approx(0.5, abs=0.01) and few["same_as_first"] == 1.0
+    assert report.e2e[2]["same_as_first"] == 0.0  # the fake "triton" engine answers differently
+    table = gc.format_table(report)
+    assert "few_shot" in table and "branching" in table
+
+
+def test_format_table_lists_failures_and_timings() -> None:
+    report = gc.Report(correctness=[dict(check="triton decode", dtype="bfloat16", rel_err=0.5, ok=False)],
+                       timings=[dict(shape="s", kind="decode", backend="triton", ms=0.1, mode="graph")],
+                       errors=["e2e: boom"])
+    table = gc.format_table(report)
+    assert "FAIL triton decode" in table and "0.1000" in table and "ERROR e2e: boom" in table
+
+
+@pytest.mark.slow
+def test_bench_e2e_on_cpu_engine() -> None:
+    """The real Engine path on CPU with the torch backend (the GPU run uses the same code)."""
+    report = gc.Report()
+    gc.bench_e2e(report, "cpu", ["torch"], quick=True, kv_cache_tokens=8192, warmup=False)
+    assert not report.errors, report.errors
+    few = next(e for e in report.e2e if e["workload"] == "few_shot")
+    assert few["tokens"] > 0 and few["hit_rate"] > 0.0  # the shared few-shot prefix is served from cache
