@@ -270,11 +270,24 @@ class Engine:
             out = req.handle.wait()
             uncond = None
             if unconditional:
-                uncond = [0.0] + list(getattr(uncond_reqs[i].handle.wait(), "prompt_logprobs"))
+                uncond = [0.0] + list(uncond_reqs[i].handle.wait().prompt_logprobs or [])
             text = continuations[i] if isinstance(continuations[i], str) else self.decode(full[start:])
-            results.append(ChoiceScore(text=text, token_ids=full[start:], token_logprobs=list(out.prompt_logprobs),  # type: ignore[attr-defined]
+            results.append(ChoiceScore(text=text, token_ids=full[start:], token_logprobs=list(out.prompt_logprobs or []),
                                        unconditional_logprobs=uncond))
         return results
+
+    def next_token_logits(self, input_ids: list[int]) -> torch.Tensor:
+        """Raw float32 logits [vocab] after `input_ids`, computing only what the radix cache lacks.
+
+        The backend for token-by-token drivers such as Guidance: the sequence is inserted into the
+        tree, so the next call (one token longer) computes one new token.
+        """
+        req = self._make_req(self._prompt_ids(None, input_ids, None), SamplingParams(max_new_tokens=0), stream=False)
+        req.return_next_logits = True
+        self.scheduler.submit(req)
+        out = req.handle.wait()
+        assert out.next_token_logits is not None
+        return out.next_token_logits
 
     def _split_continuation(self, prefix, prefix_ids: list[int], continuation) -> tuple[list[int], int]:
         """Token ids of prefix+continuation and where the continuation's tokens start."""

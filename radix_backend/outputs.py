@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -37,6 +40,8 @@ class GenerateOutput:
     meta: RequestMeta
     logprobs: list[TokenLogprob] | None = None
     request_id: str = ""
+    prompt_logprobs: list[float] | None = None  # log p(prompt[i] | prompt[:i]) from the requested start
+    next_token_logits: "torch.Tensor | None" = None  # [vocab] float32 after the last token, when asked for
 
 
 @dataclass

@@ -135,6 +135,8 @@ class Req:
     max_total_tokens: int  # context window
     constraint: Any = None  # radix_backend.constrained.TokenConstraint or None
     input_logprob_start: int | None = None  # score(): logprobs of prompt tokens from here on
+    return_next_logits: bool = False  # next_token_logits(): keep the logits after the last token
+    next_logits: torch.Tensor | None = None
     output_ids: list[int] = field(default_factory=list)
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     kv_len: int = 0
@@ -223,8 +225,6 @@ class Req:
         end = self.stream_safe_len()
         delta = self.text[self.sent_text_len:end]
         tokens = self.output_ids[self.sent_token_len:]
-        if not delta and not self.finished and not tokens:
-            return None
         if not delta and not self.finished:
             return None
         self.sent_text_len = end
@@ -238,8 +238,7 @@ class Req:
         self.meta.total_time_s = time.perf_counter() - self.submit_time
         self.meta.matched_stop = self.matched_stop
         logprobs = self.output_logprobs if self.params.logprobs else None
-        out = GenerateOutput(text=self.text, token_ids=list(self.output_ids), finish_reason=self.finish_reason or "abort",
-                             meta=self.meta, logprobs=logprobs, request_id=self.rid)
-        if self.input_logprob_start is not None:
-            out.prompt_logprobs = list(self.input_logprobs)  # type: ignore[attr-defined]
-        return out
+        return GenerateOutput(text=self.text, token_ids=list(self.output_ids), finish_reason=self.finish_reason or "abort",
+                              meta=self.meta, logprobs=logprobs, request_id=self.rid,
+                              prompt_logprobs=list(self.input_logprobs) if self.input_logprob_start is not None else None,
+                              next_token_logits=self.next_logits)

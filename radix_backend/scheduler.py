@@ -353,7 +353,7 @@ class Scheduler:
             lo = max(start, req.input_logprob_start - 1)
             hi = min(start + n, len(req.prompt_ids) - 1)
             rows.extend(range(lo, hi))
-        if start + n == req.seq_len and req.remaining_new_tokens > 0:
+        if start + n == req.seq_len and (req.remaining_new_tokens > 0 or req.return_next_logits):
             rows.append(start + n - 1)
         return rows
 
@@ -364,13 +364,17 @@ class Scheduler:
             start = req.kv_len
             req.slots = torch.cat([req.slots, slots])
             req.kv_len += n
-            wants_sample = start + n == req.seq_len and req.remaining_new_tokens > 0
-            n_input = count - (1 if wants_sample else 0)
+            at_end = start + n == req.seq_len
+            wants_sample = at_end and req.remaining_new_tokens > 0
+            n_input = count - (1 if wants_sample or (at_end and req.return_next_logits) else 0)
             if n_input:
                 self._record_input_logprobs(req, logits[row:row + n_input], start)
             row += n_input
+            if at_end and req.return_next_logits:
+                req.next_logits = logits[row].clone()
             if wants_sample:
                 to_sample.append((req, row))
+            if wants_sample or (at_end and req.return_next_logits):
                 row += 1
             if not req.admitted_once:
                 req.admitted_once = True
