@@ -197,6 +197,8 @@ def _gguf_checkpoint(gguf: Path, source: str) -> Checkpoint:
 def _build_cache_entry(gguf: Path, target: Path) -> None:
     if target.exists():  # only a hand-made or damaged entry can be incomplete: replace it
         shutil.rmtree(target, ignore_errors=True)
+    for stale in target.parent.glob(f"{target.name}.tmp-*"):  # left by a killed run; we hold the lock
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
     try:
         log.info("dequantizing %s once into %s (later loads reuse it)", gguf, target)

@@ -23,18 +23,28 @@ from radix_backend.loader import (Checkpoint, embedded_gguf_path, gguf_cache_pat
                                   resolve_checkpoint, weight_files)
 from radix_backend.paths import cache_dir
 
-TINY = dict(hidden=64, ff=128, heads=4, kv_heads=2, layers=2, vocab=49152)
+TINY = dict(hidden=64, ff=128, heads=4, kv_heads=2, layers=2, vocab=1024)
 
 
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama GGUF with Q8_0 weights and SmolLM2's tokenizer + chat template metadata."""
+    """A 2-layer Llama GGUF with Q8_0 weights and a cut-down SmolLM2 tokenizer (its first 1024 tokens:
+    specials, all 256 byte tokens, early merges) plus its chat template, so converting takes seconds."""
     import gguf
 
     reader = gguf.GGUFReader(str(embedded_gguf_path()))
     writer = gguf.GGUFWriter(str(path), "llama")
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[: TINY["vocab"]]
+    kept = set(tokens)
+    subsets = {
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": reader.fields["tokenizer.ggml.token_type"].contents()[: TINY["vocab"]],
+        "tokenizer.ggml.merges": [m for m in reader.fields["tokenizer.ggml.merges"].contents()
+                                  if m.replace(" ", "", 1) in kept and set(m.split(" ", 1)) <= kept],
+    }
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
-            writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+            writer.add_key_value(key, subsets.get(key, field.contents()), field.types[0],
+                                 field.types[1] if len(field.types) > 1 else None)
     hidden, ff, heads, kv_heads = TINY["hidden"], TINY["ff"], TINY["heads"], TINY["kv_heads"]
     head_dim = hidden // heads
     writer.add_block_count(TINY["layers"])
@@ -227,6 +237,18 @@ def test_losing_the_rename_race_keeps_the_winner(tiny_gguf: Path, private_cache:
     assert [p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")] == [target.name]
 
 
+def test_stale_temp_dirs_of_killed_runs_are_removed(tiny_gguf: Path, private_cache: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(loader, "_convert_gguf", fake_converter(calls))
+    target = gguf_cache_path(tiny_gguf)
+    stale = target.parent / f"{target.name}.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{")
+    assert resolve_checkpoint(tiny_gguf).path == target
+    assert not stale.exists() and len(calls) == 1
+
+
 def test_corrupt_gguf_gives_model_load_error_and_leaves_no_entry(tmp_path: Path, private_cache: Path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all" * 10)
@@ -294,7 +316,7 @@ def test_tiny_fixtures_have_expected_shapes(tiny_llama_dir: Path, tiny_qwen3_dir
     assert resolve_checkpoint(tiny_mistral_dir).config.model_type == "mistral"
     for directory in (tiny_llama_dir, tiny_qwen3_dir, tiny_mistral_dir):
         tok = load_tokenizer(resolve_checkpoint(directory))
-        assert tok.chat_template and len(tok) == TINY["vocab"]
+        assert tok.chat_template and len(tok) == 49152  # SmolLM2's full tokenizer
 
 
 # --------------------------------------------------------------------------- bad input
