@@ -15,7 +15,6 @@ are page-aligned, so a node always owns whole pages, and a request owns its unal
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -51,23 +50,6 @@ def kv_tokens_for_budget(cfg: KVPoolConfig, budget_bytes: int) -> int:
     if budget_bytes <= 0:
         return 0
     return int(budget_bytes) // cfg.bytes_per_token()
-
-
-def kv_budget_from_mem_fraction(device: torch.device | str, mem_fraction: float) -> int:
-    """Bytes left for the KV cache if everything in use on `device` may total `mem_fraction` of it.
-
-    Call after the weights are loaded: budget = free - total * (1 - mem_fraction), as in SGLang's
-    `mem_fraction_static`. On CPU the host's physical memory plays the role of device memory.
-    """
-    if not 0.0 < mem_fraction <= 1.0:
-        raise InvalidRequestError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-    else:
-        page = os.sysconf("SC_PAGE_SIZE")
-        free, total = os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-    return max(0, int(free - total * (1.0 - mem_fraction)))
 
 
 class KVPool:
@@ -123,12 +105,12 @@ def _check_sizes(num_slots: int, page_size: int) -> None:
 class SlotAllocator:
     """Hands out KV token slots, a whole page at a time (SGLang's TokenToKVPoolAllocator).
 
-    Free pages sit in a short list of int64 tensor chunks (no per-slot Python objects): `alloc`
-    slices the head chunk, `free` appends a chunk; chunks are merged only when the head runs short.
-    A boolean per-page "is free" mask catches double frees and frees of the padding page; the
-    check runs on CPU always (it is a vectorised gather) and on GPU only with `debug=True`, since
-    it needs a device sync there. `debug=True` also rejects duplicate slots in one `free` call and
-    re-verifies the free count on every call.
+    Free pages sit in a ring buffer (one int64 tensor of num_pages entries, no per-slot Python
+    objects): `alloc` reads k pages at the head, `free` writes them at the tail, O(k) each, no
+    merging. Freed pages are reused FIFO. A boolean per-page "is free" mask catches double frees,
+    duplicates and frees of the padding page; the check runs on CPU always (vectorised) and on
+    GPU only with `debug=True`, since it needs a device sync there. `debug=True` also re-verifies
+    the free count against the mask on every call.
 
     Not thread-safe: only the scheduler thread calls it.
     """
@@ -163,8 +145,8 @@ class SlotAllocator:
 
     def reset(self) -> None:
         """Mark every page free again (drops all ownership; the caller must hold none)."""
-        self._chunks: list[torch.Tensor] = [
-            torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)]
+        self._ring = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        self._head = 0  # ring index of the oldest free page; free pages are the next _num_free_pages
         self._num_free_pages = self.num_pages
         self._page_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
         self._page_free[0] = False  # the padding page is never free, never allocated
@@ -220,15 +202,20 @@ class SlotAllocator:
         if slots.numel() == 0:
             return
         slots = slots.to(device=self.device, dtype=torch.int64).flatten()
-        # Copy: the caller's tensor may be a slice of a slot table it will overwrite later.
-        pages = slots.clone() if self.page_size == 1 else torch.unique(slots // self.page_size)
+        pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
+        m = int(pages.numel())
         if self._check:
             self._validate_free(pages)
+        if self._num_free_pages + m > self.num_pages:  # the ring would overflow: checked everywhere
+            raise SlotAccountingError(f"freeing {m} pages with {self._num_free_pages} of {self.num_pages} "
+                                      "already free: double free")
         self._page_free[pages] = True
-        self._chunks.append(pages)
-        self._num_free_pages += int(pages.numel())
-        if len(self._chunks) > 64:
-            self._chunks = [torch.cat(self._chunks)]
+        tail = (self._head + self._num_free_pages) % self.num_pages
+        first = min(m, self.num_pages - tail)  # copies: the caller may overwrite its tensor later
+        self._ring[tail:tail + first] = pages[:first]
+        if m > first:
+            self._ring[:m - first] = pages[first:]
+        self._num_free_pages += m
         if self.debug and int(self._page_free.sum()) != self._num_free_pages:
             raise SlotAccountingError("free-page count drifted from the free mask")
 
@@ -245,16 +232,18 @@ class SlotAllocator:
             page = int(pages[already][0])
             raise SlotAccountingError(f"double free of page {page} (slots {page * self.page_size}.."
                                       f"{page * self.page_size + self.page_size - 1})")
-        if self.debug and self.page_size == 1 and torch.unique(pages).numel() != pages.numel():
+        if self.page_size == 1 and pages.numel() > 1 and torch.unique(pages).numel() != pages.numel():
             raise SlotAccountingError("the same slot appears twice in one free() call")
 
     def _take_pages(self, k: int) -> torch.Tensor:
         if k == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        if self._chunks[0].numel() < k:
-            self._chunks = [torch.cat(self._chunks)]
-        head = self._chunks[0]
-        pages, self._chunks[0] = head[:k], head[k:]
+        start, end = self._head, self._head + k
+        if end <= self.num_pages:
+            pages = self._ring[start:end].clone()  # the ring slots get overwritten by later frees
+        else:
+            pages = torch.cat((self._ring[start:], self._ring[:end - self.num_pages]))
+        self._head = end % self.num_pages
         self._page_free[pages] = False
         self._num_free_pages -= k
         return pages

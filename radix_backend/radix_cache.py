@@ -152,7 +152,8 @@ class RadixCache:
             node, pos = child, pos + n
             if ends_inside:
                 break
-        slots = torch.cat(values) if len(values) > 1 else (values[0] if values else self._empty())
+        # Always a fresh tensor, so a caller writing into it can never corrupt a node's slots.
+        slots = torch.cat(values) if len(values) > 1 else (values[0].clone() if values else self._empty())
         return MatchResult(slots, node)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:

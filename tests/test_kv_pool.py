@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from radix_backend.errors import InvalidRequestError
 from radix_backend.kv_pool import (KVPool, KVPoolConfig, SlotAccountingError, SlotAllocator,
-                                   kv_budget_from_mem_fraction, kv_tokens_for_budget)
+                                   kv_tokens_for_budget)
 
 
 def test_config_bytes_and_budget():
@@ -18,14 +18,6 @@ def test_config_bytes_and_budget():
     assert kv_tokens_for_budget(cfg, cfg.bytes_per_token() * 100 + 7) == 100
     assert kv_tokens_for_budget(cfg, 0) == 0
     assert kv_tokens_for_budget(cfg, -5) == 0
-
-
-def test_mem_fraction_budget_cpu():
-    full = kv_budget_from_mem_fraction("cpu", 1.0)
-    assert full > 0
-    assert kv_budget_from_mem_fraction("cpu", 0.01) <= full
-    with pytest.raises(InvalidRequestError):
-        kv_budget_from_mem_fraction("cpu", 0.0)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -172,3 +164,23 @@ def test_random_alloc_free_never_shares_a_page(page_size, ops):
         assert free.isdisjoint(flat) and 0 not in free
         assert len(free) + len(flat) == a.num_pages == 24 // page_size
         assert a.num_free == len(free) * page_size
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_pool_and_allocator(page_size):
+    cfg = KVPoolConfig(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, device="cuda")
+    pool = KVPool(cfg, num_slots=256, page_size=page_size)
+    a = pool.make_allocator(device="cuda", debug=True)
+    s = a.alloc(20)
+    assert s.is_cuda and s.numel() == 20
+    more = a.alloc_extend(int(s[-1]), 20, 30)
+    k = torch.randn(50, 2, 8, device="cuda", dtype=torch.float16)
+    slots = torch.cat((s, more))
+    pool.write(0, slots, k, k)
+    assert torch.equal(pool.k_cache(0)[slots], k)
+    a.free(slots)
+    assert a.num_free == a.num_total
+    with pytest.raises(SlotAccountingError):
+        a.free(slots[:1])

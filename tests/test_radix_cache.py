@@ -434,3 +434,21 @@ def test_tensor_keys_and_caller_slot_reuse():
     t.insert(torch.tensor([4, 5, 6]), table)
     table[:] = 0  # caller reuses its row; the tree copied the slots
     assert t.match_prefix([4, 5, 6]).slots.tolist() == [1, 2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tree_smoke():
+    for ps in (1, 4):
+        h = Harness(64, ps)
+        h.alloc = SlotAllocator(64, ps, device="cuda", debug=True)
+        h.tree = RadixCache(h.alloc, ps)
+        for toks in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 0, 0, 0], [5] * 12):
+            h.start(toks)
+            h.check()
+        h.cache_unfinished(0)
+        h.extend(1, [3, 3, 3])
+        h.check()
+        assert h.tree.all_slots().is_cuda
+        h.evict(4)
+        h.drain()
