@@ -74,6 +74,8 @@ def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Checkpoint:
     """Turn the user's `model=` into a checkpoint directory, converting a GGUF file on first use."""
     if model is None:
         return _gguf_checkpoint(embedded_gguf_path(), "embedded")
+    if not isinstance(model, (str, os.PathLike)):
+        raise ModelLoadError(f"model must be None, a path or a repo id string, not {type(model).__name__}")
     text = os.fspath(model)
     if not text:
         raise ModelLoadError(f"model is an empty string; pass None for the embedded SmolLM2, or {_EXPECTED_DIR}")

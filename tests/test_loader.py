@@ -328,9 +328,11 @@ def test_missing_path(tmp_path: Path) -> None:
     assert str(tmp_path / "nope") in str(info.value)
 
 
-def test_empty_string() -> None:
+def test_empty_string_and_wrong_type() -> None:
     with pytest.raises(ModelLoadError, match="empty"):
         resolve_checkpoint("")
+    with pytest.raises(ModelLoadError, match="not int"):
+        resolve_checkpoint(42)  # type: ignore[arg-type]
 
 
 def test_dir_without_config(tmp_path: Path) -> None:
