@@ -53,11 +53,11 @@ def get_server_info(backend: BaseBackend | None = None) -> dict[str, Any]:
 
 def _defaults(max_new_tokens: int, stop: str | list[str] | None, stop_token_ids: list[int] | None, temperature: float,
               top_p: float, top_k: int, min_p: float, frequency_penalty: float, presence_penalty: float,
-              ignore_eos: bool, return_logprob: bool, top_logprobs_num: int, seed: int | None) -> SamplingParams:
+              ignore_eos: bool, return_logprob: bool, top_logprobs_num: int) -> SamplingParams:
     p = SamplingParams(max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids, temperature=temperature,
                        top_p=top_p, top_k=top_k, min_p=min_p, frequency_penalty=frequency_penalty,
                        presence_penalty=presence_penalty, ignore_eos=ignore_eos, logprobs=return_logprob,
-                       top_logprobs=top_logprobs_num, seed=seed)
+                       top_logprobs=top_logprobs_num)
     p.validate()
     return p
 
@@ -106,11 +106,13 @@ class SglFunction:
     def run(self, *args: Any, max_new_tokens: int = 128, stop: str | list[str] | None = None,
             stop_token_ids: list[int] | None = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
             min_p: float = 0.0, frequency_penalty: float = 0.0, presence_penalty: float = 0.0, ignore_eos: bool = False,
-            return_logprob: bool = False, top_logprobs_num: int = 0, seed: int | None = None, stream: bool = False,
+            return_logprob: bool = False, top_logprobs_num: int = 0, stream: bool = False,
             backend: BaseBackend | None = None, **kwargs: Any) -> ProgramState:
-        """Run once; the sampling arguments are defaults for every gen that does not set its own."""
+        """Run once; the sampling arguments are defaults for every gen that does not set its own.
+
+        (There is no run-wide `seed`: forks would all sample the same text. Seed single gens.)"""
         defaults = _defaults(max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, frequency_penalty,
-                             presence_penalty, ignore_eos, return_logprob, top_logprobs_num, seed)
+                             presence_penalty, ignore_eos, return_logprob, top_logprobs_num)
         arguments = self._bind(args, kwargs)
         return run_program(self, backend or get_default_backend(), arguments, defaults, stream=stream)
 
@@ -118,7 +120,7 @@ class SglFunction:
                   stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None, temperature: float = 1.0,
                   top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0, frequency_penalty: float = 0.0,
                   presence_penalty: float = 0.0, ignore_eos: bool = False, return_logprob: bool = False,
-                  top_logprobs_num: int = 0, seed: int | None = None, backend: BaseBackend | None = None,
+                  top_logprobs_num: int = 0, backend: BaseBackend | None = None,
                   num_threads: int | str = "auto", progress_bar: bool = False, cache_prefix: bool = True,
                   stream: bool = False) -> list[ProgramState]:
         """Run once per kwargs dict, concurrently; the engine batches the requests of all items."""
@@ -127,7 +129,7 @@ class SglFunction:
         if not isinstance(batch_kwargs, (list, tuple)) or not all(isinstance(k, dict) for k in batch_kwargs):
             raise ProgramError("run_batch() takes a list of dicts of program arguments, e.g. [{'question': 'q1'}, ...]")
         defaults = _defaults(max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, frequency_penalty,
-                             presence_penalty, ignore_eos, return_logprob, top_logprobs_num, seed)
+                             presence_penalty, ignore_eos, return_logprob, top_logprobs_num)
         arguments = [self._bind((), kw) for kw in batch_kwargs]
         return run_program_batch(self, backend or get_default_backend(), arguments, defaults,
                                  num_threads=num_threads, progress_bar=progress_bar, cache_prefix=cache_prefix)
