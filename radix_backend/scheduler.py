@@ -29,6 +29,17 @@ logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 DECODE_RESERVE_TOKENS = 16  # per running request, kept free when admitting new prompts
+IN_BATCH_PREFIX_TOKENS = 32  # a waiting request sharing this many uncached tokens with one being
+# prefilled now waits one step, so it reuses that prefix instead of computing it again (SGLang's
+# in-batch prefix caching check)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 @dataclass
@@ -214,11 +225,14 @@ class Scheduler:
         self._order_waiting()
         reserve = DECODE_RESERVE_TOKENS * len(self.running)
         admitted: list[Req] = []
+        prefilling = [r.fill_ids for r in self.running if r.kv_len < len(r.prompt_ids)]
         for req in list(self.waiting):
             if self._budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
                 break
             if req.last_node is None:
                 self._match(req)
+            if self._shares_uncached_prefix(req, prefilling):
+                continue
             n = self._chunk_len(req)
             if n <= 0 or self._available() - reserve < n:
                 break  # not enough budget / KV now; keep the order (no starvation of long prompts)
@@ -227,12 +241,21 @@ class Scheduler:
                 break
             self._budget -= n
             admitted.append(req)
+            prefilling.append(req.fill_ids)
             batch.add(req, slots, n)
         for req in admitted:
             self.waiting.remove(req)
             self.running.append(req)
         for req in self.waiting:  # unlock matches of requests that stay waiting; re-match next step
             self._release_match(req)
+
+    @staticmethod
+    def _shares_uncached_prefix(req: Req, prefilling: list[list[int]]) -> bool:
+        """Would admitting `req` now recompute a prefix another request is computing right now?"""
+        if not prefilling:
+            return False
+        ids = req.fill_ids[:req.max_prefix_len]
+        return any(_common_prefix_len(ids, other) - req.cached_len >= IN_BATCH_PREFIX_TOKENS for other in prefilling)
 
     def _order_waiting(self) -> None:
         if self.policy == "fcfs" or len(self.waiting) <= 1:
@@ -381,10 +404,12 @@ class Scheduler:
                 self.stats.prompt_tokens += len(req.prompt_ids)
                 self.stats.cached_tokens += req.meta.cached_tokens
                 req.meta.queue_time_s = time.perf_counter() - req.submit_time
-            if req.kv_len < req.seq_len:
-                if req.kv_len - req.cached_len >= self.page_size:
-                    self._cache_req(req, finished=False)  # chunked prefill: keep progress in the tree
-            elif not wants_sample and req.remaining_new_tokens == 0 and not req.finished:
+            finishing = at_end and req.remaining_new_tokens == 0  # max_new_tokens reached (or 0)
+            if n > 1 and not finishing and req.kv_len - req.cached_len >= self.page_size:
+                # after a prefill (chunk) the prompt goes into the tree at once, so requests that
+                # share it, waiting or yet to come, reuse it while this one is still decoding
+                self._cache_req(req, finished=False)
+            if finishing and not req.finished:
                 req.finish_reason = "length"
         if to_sample:
             self._sample(to_sample, logits)
