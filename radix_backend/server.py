@@ -24,7 +24,7 @@ from typing import Any
 
 from .errors import (ConstraintError, EngineShutdownError, InvalidRequestError, KVCacheTooSmallError,
                      MissingDependencyError, PromptTooLongError, RadixBackendError, RequestAbortedError)
-from .outputs import GenerateOutput, StreamChunk, TokenLogprob
+from .outputs import GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
 from .sampling_params import SamplingParams
 from .server_protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChoiceLogprobs,
@@ -57,8 +57,8 @@ class ModelNotFoundError(InvalidRequestError):
     """The request names a model this server does not serve."""
 
 
-class ClientDisconnected(Exception):
-    """The HTTP client went away before its response was ready."""
+class ClientDisconnected(RequestAbortedError):
+    """The HTTP client went away before its response was ready (its requests were aborted)."""
 
 
 # ============================================================================ engine calls
@@ -100,9 +100,12 @@ async def _run_jobs(request: Request, engine: Any, jobs: list[_Job], tracker: Re
         tracker.tokens(len(out.token_ids))
         return out
 
+    tasks = [asyncio.ensure_future(one(j)) for j in jobs]
     try:
-        outs = await _cancel_on_disconnect(request, asyncio.gather(*(one(j) for j in jobs)))
+        outs = await _cancel_on_disconnect(request, asyncio.gather(*tasks))
     except BaseException:
+        for task in tasks:  # one failed (or the client left): abort the siblings too
+            task.cancel()
         tracker.finish()
         raise
     usage = _usage(outs, [j.group for j in jobs])
@@ -302,8 +305,6 @@ def _usage(outs: Sequence[GenerateOutput | None], groups: Sequence[int]) -> Usag
 
 
 def _chunk_as_output(chunk: StreamChunk, text: str, token_ids: list[int]) -> GenerateOutput:
-    from .outputs import RequestMeta
-
     return GenerateOutput(text=text, token_ids=token_ids, finish_reason=chunk.finish_reason or "abort",
                           meta=chunk.meta or RequestMeta(completion_tokens=len(token_ids)))
 

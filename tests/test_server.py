@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from radix_backend.engine import CacheStats
-from radix_backend.errors import ConstraintError, InvalidRequestError, PromptTooLongError
+from radix_backend.errors import ConstraintError, PromptTooLongError
 from radix_backend.outputs import ChoiceScore, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
 from radix_backend.sampling_params import SamplingParams
 from radix_backend.server import ServerThread, create_app
