@@ -62,7 +62,10 @@ class ConstraintSpec:
 
 
 def _schema_to_text(schema: Any) -> str:
-    """dict / JSON string / pydantic model class -> canonical JSON text (sorted keys)."""
+    """dict / JSON string / pydantic model class -> canonical JSON text.
+
+    Key order is kept: llguidance emits properties in schema order, so it is part of the constraint.
+    """
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
     elif isinstance(schema, (str, bytes)):
@@ -75,7 +78,7 @@ def _schema_to_text(schema: Any) -> str:
             "json_schema must be a dict, a JSON string or a pydantic BaseModel subclass, "
             f"got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True)
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise ConstraintError(f"json_schema is not JSON-serializable: {e}") from None
 
