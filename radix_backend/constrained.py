@@ -155,15 +155,20 @@ class TokenConstraint:
         import llguidance.torch as lt
 
         lt.fill_next_token_bitmask(self._m, bitmask, row)
-        if len(self._eos_ids) > 1:
-            r = bitmask[row]
-            eos_allowed = bool((int(r[self._ll_eos // 32]) >> (self._ll_eos % 32)) & 1)
-            for t in self._eos_ids:
-                if t < self.vocab_size and t != self._ll_eos:
-                    word = int(r[t // 32]) & 0xFFFFFFFF  # as unsigned 32-bit
-                    bit = 1 << (t % 32)
-                    word = (word | bit) if eos_allowed else (word & ~bit & 0xFFFFFFFF)
-                    r[t // 32] = word - (1 << 32) if word >= (1 << 31) else word  # back to int32
+        self._sync_eos_bits(bitmask, row)
+
+    def _sync_eos_bits(self, bitmask: torch.Tensor, row: int) -> None:
+        """llguidance knows one EOS id; give the model's other EOS ids the same bit."""
+        if len(self._eos_ids) == 1:
+            return
+        r = bitmask[row]
+        eos_allowed = bool((int(r[self._ll_eos // 32]) >> (self._ll_eos % 32)) & 1)
+        for t in self._eos_ids:
+            if t < self.vocab_size and t != self._ll_eos:
+                word = int(r[t // 32]) & 0xFFFFFFFF  # as unsigned 32-bit
+                bit = 1 << (t % 32)
+                word = (word | bit) if eos_allowed else (word & ~bit & 0xFFFFFFFF)
+                r[t // 32] = word - (1 << 32) if word >= (1 << 31) else word  # back to int32
 
     def is_allowed(self, token_id: int) -> bool:
         """Whether `token_id` may come next (EOS: whether the grammar may end here)."""
@@ -303,6 +308,32 @@ class ConstraintCompiler:
         if matcher.is_error():
             raise ConstraintError(f"invalid {spec.kind} {spec.describe()}: {_first_line(matcher.get_error())}")
         return matcher
+
+
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def fill_bitmasks(items: Sequence[tuple[TokenConstraint, int]], bitmask: torch.Tensor) -> None:
+    """Fill the bitmask rows of many constraints at once, in parallel on llguidance's thread pool.
+
+    Same result as calling `c.fill_bitmask(bitmask, row)` for each (c, row); faster for big batches
+    because the per-request mask computations run concurrently without the GIL.
+    """
+    global _executor
+    if not items:
+        return
+    if len(items) == 1:
+        items[0][0].fill_bitmask(bitmask, items[0][1])
+        return
+    import llguidance.torch as lt
+
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+    lt.fill_next_token_bitmask_par(_executor, [(c._m, row) for c, row in items], bitmask)
+    for c, row in items:
+        c._sync_eos_bits(bitmask, row)
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

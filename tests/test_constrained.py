@@ -23,6 +23,7 @@ from radix_backend.constrained import (
     TokenConstraint,
     apply_bitmask,
     bitmask_to_bool,
+    fill_bitmasks,
     constraint_spec,
 )
 from radix_backend.errors import ConstraintError, InvalidRequestError
@@ -336,6 +337,21 @@ def test_apply_bitmask_all_rows_and_narrow_logits(compiler):
     apply_bitmask(logits, mask, [0, 1])
     assert torch.equal(torch.isfinite(logits[0]), torch.isfinite(logits[1]))
     assert 0 < int(torch.isfinite(logits[0]).sum()) < 200
+
+
+def test_fill_bitmasks_in_parallel_equals_per_row(compiler, tokenizer):
+    cs = [compiler.compile(SamplingParams(regex=r"[0-9]{1,3}")), compiler.compile(SamplingParams(json_schema=PERSON)),
+          compiler.compile(SamplingParams(choices=CHOICES)), compiler.compile(SamplingParams(grammar=LARK_ARITH))]
+    cs[0].advance(tokenizer.encode("4", add_special_tokens=False)[0])  # accepting: EOS bits set
+    cs[1].forced_tokens()
+    rows = [3, 0, 5, 1]
+    par, seq = compiler.allocate_bitmask(6), compiler.allocate_bitmask(6)
+    fill_bitmasks(list(zip(cs, rows)), par)
+    for c, row in zip(cs, rows):
+        c.fill_bitmask(seq, row)
+    assert torch.equal(par, seq)
+    assert torch.equal(par[2], torch.full_like(par[2], -1))  # untouched rows stay all-allowed
+    assert bitmask_to_bool(par, compiler.vocab_size)[3, EOS_IDS].all()
 
 
 def test_bitmask_to_bool_roundtrip():
