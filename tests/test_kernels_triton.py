@@ -41,6 +41,59 @@ def test_kernels_under_triton_interpreter() -> None:
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
 
 
+# ----------------------------------------------------------------------------- GPU compile check
+
+def _ptxas_available() -> bool:
+    if not HAS_TRITON:
+        return False
+    import triton
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+def _compile_for(fn, pointer_types: dict, constexprs: dict, arch: int, **options):
+    """Ahead-of-time compile a @triton.jit kernel to a cubin for `arch` (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+@pytest.mark.skipif(INTERPRET or not _ptxas_available(), reason="needs triton's bundled ptxas, not the interpreter")
+@pytest.mark.parametrize("dtype,dim", [("bf16", 128), ("fp32", 64)])
+def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
+    """The interpreter does not check GPU constraints (dot shapes, layouts, shared memory): compile
+    every kernel for sm_90 with the launch configs the wrappers use on H100/H200."""
+    from radix_backend.kernels import triton_decode, triton_extend, triton_ops
+    import torch as _torch
+    p = f"*{dtype}"
+    ptr_i64, ptr_f32 = "*i64", "*fp32"
+    prec = "ieee" if dtype == "fp32" else "tf32"
+    dec1 = _compile_for(triton_decode._decode_stage1,
+                        dict(Q=p, K_CACHE=p, V_CACHE=p, KV_INDPTR=ptr_i64, KV_INDICES=ptr_i64, MID_O=ptr_f32,
+                             MID_LSE=ptr_f32, sm_scale_log2="fp32"),
+                        dict(HEADS_PER_PROG=4, PROGS_PER_KV=1, NUM_KV_SPLITS=8, BLOCK_H=16, BLOCK_N=32,
+                             BLOCK_D=dim, DOT_PRECISION=prec), 90, num_warps=4, num_stages=2)
+    _compile_for(triton_decode._decode_stage2, dict(MID_O=ptr_f32, MID_LSE=ptr_f32, KV_INDPTR=ptr_i64, O=p),
+                 dict(NUM_KV_SPLITS=8, BLOCK_D=dim), 90, num_warps=4)
+    torch_dtype = _torch.bfloat16 if dtype == "bf16" else _torch.float32
+    block_m, block_n, warps = triton_extend.extend_block_sizes(dim, torch_dtype, on_gpu=True)
+    ext = _compile_for(triton_extend._extend_kernel,
+                       dict(Q=p, K=p, V=p, K_CACHE=p, V_CACHE=p, QO_INDPTR=ptr_i64, KV_INDPTR=ptr_i64,
+                            KV_INDICES=ptr_i64, O=p, sm_scale_log2="fp32"),
+                       dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, DOT_PRECISION=prec), 90,
+                       num_warps=warps, num_stages=1)
+    for kernel in (dec1, ext):
+        assert kernel.metadata.shared <= 227 * 1024, "exceeds Hopper shared memory"
+    _compile_for(triton_ops._rms_norm_kernel, dict(X=p, R=p, W=p, Y=p, RES_OUT=p, eps="fp32"),
+                 dict(HAS_RESIDUAL=True, BLOCK=1024), 90, num_warps=4)
+    _compile_for(triton_ops._silu_and_mul_kernel, dict(X=p, Y=p), dict(BLOCK=1024), 90)
+    _compile_for(triton_ops._rotary_kernel, dict(Q=p, K=p, POS=ptr_i64, CACHE=ptr_f32),
+                 dict(BLOCK_H=16, BLOCK_HALF=dim // 2), 90)
+
+
 # ----------------------------------------------------------------------------- helpers
 
 def make_batch(prefix_lens: list[int], extend_lens: list[int], hq: int, hkv: int, dim: int,
