@@ -326,6 +326,10 @@ class Engine:
         """Drop every cached prefix; False (and nothing dropped) while requests are in flight."""
         return bool(self.scheduler.call(self.scheduler.flush_cache))
 
+    @property
+    def is_shutdown(self) -> bool:
+        return self.scheduler.is_stopped
+
     def shutdown(self) -> None:
         self.scheduler.shutdown()
 
@@ -346,7 +350,7 @@ def get_engine(model: str | None = None, **kwargs: Any) -> Engine:
     key = str(model)
     with _shared_lock:
         engine = _shared_engines.get(key)
-        if engine is None or engine.scheduler._stop.is_set():
+        if engine is None or engine.is_shutdown:
             engine = Engine(model, **kwargs)
             _shared_engines[key] = engine
         return engine

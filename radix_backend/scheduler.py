@@ -112,6 +112,10 @@ class Scheduler:
             raise box["error"]  # type: ignore[misc]
         return box.get("value")
 
+    @property
+    def is_stopped(self) -> bool:
+        return self._stop.is_set()
+
     def shutdown(self) -> None:
         if self._stop.is_set():
             return
@@ -318,6 +322,8 @@ class Scheduler:
 
     def _cache_req(self, req: Req, finished: bool) -> None:
         """Hand the request's computed KV to the tree (SGLang cache_finished/unfinished_req)."""
+        if self.tree.disable and not finished:
+            return  # nothing is shared; the request keeps its own slots until it finishes
         tokens = req.fill_ids[:req.kv_len]
         aligned = req.kv_len // self.page_size * self.page_size
         already = self.tree.insert(tokens[:aligned], req.slots[:aligned])

@@ -126,3 +126,12 @@ def test_shutdown_rejects_new_requests(tiny_llama_dir):
     eng.shutdown()
     with pytest.raises(EngineShutdownError):
         eng.generate("hi", GREEDY)
+
+
+def test_disabled_radix_cache_with_chunked_prefill(tiny_llama_dir, engine):
+    prompts = _prompts(6, seed=3)
+    expected = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    with Engine(str(tiny_llama_dir), kv_cache_tokens=2048, chunked_prefill_tokens=5, disable_radix_cache=True) as eng:
+        assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == expected
+        stats = eng.cache_stats()
+        assert stats.cached_tokens == 0 and stats.slots_free == stats.slots_total
