@@ -183,6 +183,12 @@ class ProgramState(_RoleMixin):
         return [dict(m) for m in self._messages]
 
     def get_var(self, name: str) -> Any:
+        run = self._run
+        if run.thread is not None and run.thread is not threading.current_thread() and not run.done.is_set():
+            with self._cond:  # a streamed program: return as soon as this variable is complete
+                self._cond.wait_for(lambda: name in self._vars_done or run.done.is_set())
+            if name in self._vars_done and not run.done.is_set():
+                return self._variables[name]
         self.sync()
         if name not in self._variables:
             raise UnknownVariableError(
