@@ -135,7 +135,8 @@ class SglFunction:
                                  num_threads=num_threads, progress_bar=progress_bar, cache_prefix=cache_prefix)
 
     def trace(self, *, backend: BaseBackend | None = None, **kwargs: Any) -> TracerProgramState:
-        """IR graph of the program; arguments not given are placeholders. No model is called."""
+        """IR graph of the program; arguments not given are placeholders. No model is called
+        (`backend` is accepted for SGLang compatibility and unused)."""
         self._check_names(kwargs)
         return trace_program(self, placeholder_arguments(self, kwargs))
 

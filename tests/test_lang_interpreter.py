@@ -469,3 +469,22 @@ def test_default_backend(backend):
         import radix_backend.lang.api as api
 
         api._default_backend = None
+
+
+def test_streamed_variable_is_readable_before_the_program_ends():
+    gate = threading.Event()
+
+    def responder(prompt, params):
+        if prompt.endswith("B:"):
+            assert gate.wait(10)
+        return "v"
+
+    @sgl.function
+    def prog(s):
+        s += "A:" + sgl.gen("a") + " B:" + sgl.gen("b")
+
+    state = prog.run(stream=True, backend=FakeBackend(responder))
+    assert state["a"] == "v"  # while gen "b" is still blocked
+    assert not state._run.done.is_set()
+    gate.set()
+    assert state["b"] == "v" and state.text() == "A:v B:v"
