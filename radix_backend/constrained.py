@@ -110,9 +110,9 @@ def _grammar_text(spec: ConstraintSpec) -> str:
     """ConstraintSpec -> llguidance grammar definition (not yet validated)."""
     try:
         if spec.kind == "regex":
-            # \d \w \s mean ASCII classes (as in outlines / SGLang): Rust's Unicode \d would let a
-            # "phone number" regex produce Devanagari digits. The ASCII classes are subsets of
-            # Python's, so outputs still `re.fullmatch` the original pattern.
+            # \d \w \s (and \D \W \S) are ASCII classes, Python's `re.ASCII` semantics: Rust's
+            # Unicode \d would let a "phone number" regex produce Devanagari digits. Patterns using
+            # only the positive classes therefore also `re.fullmatch` under Unicode semantics.
             return llguidance.grammar_from("lark", f"start: /{llguidance.regex_to_lark(spec.source, 'dws')}/")
         if spec.kind == "json_schema":
             return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=DEFAULT_JSON_OPTIONS)
