@@ -13,7 +13,7 @@ import torch
 
 from .attention_base import AttentionBackend, AttentionMetadata
 from .triton_decode import decode_attention, decode_workspace, default_num_kv_splits
-from .triton_extend import extend_attention
+from .triton_extend import ExtendConfig, extend_attention
 
 
 @dataclass
@@ -27,12 +27,16 @@ class _Plan:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 16, min_split_len: int = 64) -> None:
+    def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 16, min_split_len: int = 64,
+                 decode_block_n: int | None = None, extend_config: ExtendConfig | None = None) -> None:
+        """All arguments are tuning knobs with working defaults (gpu_check sweeps them)."""
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
         self.max_kv_splits = max_kv_splits
         self.min_split_len = min_split_len
+        self.decode_block_n = decode_block_n
+        self.extend_config = extend_config
         self._plan: _Plan | None = None
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
@@ -60,9 +64,9 @@ class TritonAttentionBackend(AttentionBackend):
         if meta.is_decode:
             return decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, scale,
                                     num_kv_splits=plan.num_kv_splits, workspace=plan.workspace,
-                                    min_split_len=self.min_split_len)
+                                    min_split_len=self.min_split_len, block_n=self.decode_block_n)
         return extend_attention(q, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.qo_indptr,
-                                meta.kv_indptr, meta.kv_indices, plan.max_extend_len, scale)
+                                meta.kv_indptr, meta.kv_indices, plan.max_extend_len, scale, config=self.extend_config)
 
 
 def _num_sms(device: torch.device) -> int:

@@ -120,7 +120,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_indices: torch.Tensor, scale: float, num_kv_splits: int = 8,
                      out: torch.Tensor | None = None,
                      workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     min_split_len: int = 64) -> torch.Tensor:
+                     min_split_len: int = 64, block_n: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """q [B, Hq, D] (one token per request); k/v_cache [slots, Hkv, D]; returns [B, Hq, D] in q.dtype.
 
     A request of length L uses min(num_kv_splits, ceil(L / min_split_len)) splits, decided on
@@ -151,8 +151,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), hq, group, dim,
         min_split_len, HEADS_PER_PROG=heads_per_prog, PROGS_PER_KV=progs_per_kv, NUM_KV_SPLITS=num_kv_splits,
-        BLOCK_H=block_h, BLOCK_N=32 if block_d <= 128 else 16, BLOCK_D=block_d, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2)
+        BLOCK_H=block_h, BLOCK_N=block_n or (32 if block_d <= 128 else 16), BLOCK_D=block_d,
+        DOT_PRECISION=precision, num_warps=4, num_stages=num_stages)
     _decode_stage2[(bsz, hq)](
         mid_o, mid_lse, kv_indptr, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), dim, min_split_len,

@@ -11,6 +11,8 @@ Modelled on SGLang's triton_ops/extend_attention.py, written from scratch here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -93,20 +95,30 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
              mask=mmask[:, None] & dmask[None, :])
 
 
-def extend_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): smaller tiles for fp32 / wide heads to stay within shared memory."""
+@dataclass(frozen=True)
+class ExtendConfig:
+    """Launch configuration of the extend kernel (tile sizes, warps, software-pipelining stages)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 1
+
+
+def extend_block_sizes(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> ExtendConfig:
+    """Default config: SGLang-like 128x64 tiles for 16-bit types; smaller for fp32 / wide heads."""
     block_d = triton.next_power_of_2(head_dim)
     if not on_gpu:
-        return 16, 16, 4
+        return ExtendConfig(16, 16, 4)
     if dtype == torch.float32 or block_d > 128:
-        return 32, 32, 4
-    return 128, 64, 4 if block_d <= 64 else 8
+        return ExtendConfig(32, 32, 4)
+    return ExtendConfig(128, 64, 4 if block_d <= 64 else 8)
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                      kv_indices: torch.Tensor, max_extend_len: int, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, config: ExtendConfig | None = None) -> torch.Tensor:
     """q [T, Hq, D] new queries, k/v [T, Hkv, D] their keys/values; the prefix comes from the cache.
 
     kv_indices for request b lists its prefix slots first; only those are read here (the new
@@ -122,13 +134,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     bsz = qo_indptr.shape[0] - 1
     if n_tokens == 0 or bsz == 0:
         return out
-    block_m, block_n, num_warps = extend_block_sizes(dim, q.dtype, q.is_cuda)
-    grid = (bsz, hq, triton.cdiv(max_extend_len, block_m))
+    cfg = config or extend_block_sizes(dim, q.dtype, q.is_cuda)
+    grid = (bsz, hq, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
         q, k, v, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), hq // hkv, dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(dim),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=1)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(dim),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out

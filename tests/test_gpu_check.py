@@ -71,6 +71,20 @@ def test_evaluate_targets() -> None:
     assert not got["e"]["ok"] and got["e"]["target"] == 1.5
 
 
+def test_sweep_candidates_build_backends_and_summarise() -> None:
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    cands = gc.sweep_candidates()
+    for kind in ("decode", "extend"):
+        assert len(cands[kind]) >= 4
+        for kwargs in cands[kind]:
+            TritonAttentionBackend(**kwargs)  # every candidate is a valid backend configuration
+        assert "default" in gc.describe_config(cands[kind][0])
+    sweep = [dict(shape="d", kind="decode", config="a", ms=2.0, mode="graph"),
+             dict(shape="d", kind="decode", config="b", ms=1.0, mode="graph")]
+    (line,) = gc.best_sweep(sweep)
+    assert "best b 1.0000" in line and "default 2.0000" in line
+
+
 def test_workload_prompts_share_prefixes() -> None:
     prompts = gc.few_shot_prompts(40)
     assert len(prompts) == 40 and len(set(prompts)) == len(gc.FEW_SHOT_QUERIES)

@@ -79,12 +79,12 @@ def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
     _compile_for(triton_decode._decode_stage2, dict(MID_O=ptr_f32, MID_LSE=ptr_f32, KV_INDPTR=ptr_i64, O=p),
                  dict(NUM_KV_SPLITS=8, BLOCK_D=dim), 90, num_warps=4)
     torch_dtype = _torch.bfloat16 if dtype == "bf16" else _torch.float32
-    block_m, block_n, warps = triton_extend.extend_block_sizes(dim, torch_dtype, on_gpu=True)
+    cfg = triton_extend.extend_block_sizes(dim, torch_dtype, on_gpu=True)
     ext = _compile_for(triton_extend._extend_kernel,
                        dict(Q=p, K=p, V=p, K_CACHE=p, V_CACHE=p, QO_INDPTR=ptr_i64, KV_INDPTR=ptr_i64,
                             KV_INDICES=ptr_i64, O=p, sm_scale_log2="fp32"),
-                       dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=dim, DOT_PRECISION=prec), 90,
-                       num_warps=warps, num_stages=1)
+                       dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=dim, DOT_PRECISION=prec), 90,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for kernel in (dec1, ext):
         assert kernel.metadata.shared <= 227 * 1024, "exceeds Hopper shared memory"
     _compile_for(triton_ops._rms_norm_kernel, dict(X=p, R=p, W=p, Y=p, RES_OUT=p, eps="fp32"),

@@ -6,7 +6,8 @@
 2. kernel timing with CUDA events (median of many runs; each timed call is replayed from a CUDA
    graph when the backend allows it, so Python launch overhead is not counted): decode at batch 64 /
    context 2048 and an extend (prefill with cached prefix) shape, for triton, flashinfer, the torch
-   backend and dense SDPA (no paging, a lower bound);
+   backend and dense SDPA (no paging, a lower bound); then a sweep of Triton launch configs
+   (decode splits / tile sizes, extend tiles / stages) to tune the defaults;
 3. end to end: the few-shot and branching workloads on the embedded SmolLM2 through
    `radix_backend.Engine(attention_backend=...)` for every available backend;
 then prints a short table (last) and writes `$OUT/gpu_check.json` when `$OUT` is set.
@@ -123,6 +124,7 @@ class Report:
     e2e: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     targets: list[dict[str, Any]] = field(default_factory=list)
+    sweep: list[dict[str, Any]] = field(default_factory=list)
 
     def guard(self, section: str, fn: Callable[[], None]) -> None:
         try:
@@ -304,6 +306,61 @@ def bench_attention(report: Report, device: str, backends: list[str], iters: int
     report.targets = evaluate_targets(report.timings)
 
 
+def sweep_candidates() -> dict[str, list[dict[str, Any]]]:
+    """Triton launch configs to try per kind (TritonAttentionBackend kwargs); defaults come first."""
+    from radix_backend.kernels.triton_extend import ExtendConfig
+    decode = [dict(num_kv_splits=s, decode_block_n=bn) for s in (None, 1, 2, 4, 8) for bn in (32, 64)]
+    extend = [dict(extend_config=None)] + [dict(extend_config=ExtendConfig(m, n, w, st)) for m, n, w, st in
+                                           ((128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 4, 2), (128, 32, 4, 2),
+                                            (64, 128, 8, 1), (128, 64, 8, 2))]
+    return {"decode": decode, "extend": extend}
+
+
+def describe_config(kwargs: dict[str, Any]) -> str:
+    parts = []
+    for key, value in kwargs.items():
+        if value is None:
+            parts.append(f"{key}=default")
+        elif hasattr(value, "block_m"):
+            parts.append(f"M{value.block_m}/N{value.block_n}/w{value.num_warps}/st{value.num_stages}")
+        else:
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def sweep_triton(report: Report, device: str, iters: int, quick: bool) -> None:
+    """Time Triton launch configs on the first decode shape and the first extend shape."""
+    shapes = bench_shapes(quick)
+    candidates = sweep_candidates()
+    for kind in ("decode", "extend"):
+        shape = next(s for s in shapes if s.kind == kind)
+        q, k, v, kc, vc, meta = make_batch(shape, torch.bfloat16, device, seed=1)
+        scale = shape.head_dim ** -0.5
+        for kwargs in candidates[kind]:
+            row = dict(shape=shape.name, kind=kind, config=describe_config(kwargs), ms=float("inf"), mode="")
+            try:
+                backend = make_backend("triton", device, **kwargs)
+                backend.begin_forward(meta)
+                backend.forward(q, k, v, kc, vc, meta, scale)
+
+                def fn(backend=backend):
+                    return backend.forward(q, k, v, kc, vc, meta, scale)
+                row["ms"], row["mode"] = cuda_time_ms(fn, iters)
+            except Exception as exc:  # e.g. a tile config that exceeds shared memory: skip it
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            report.sweep.append(row)
+
+
+def best_sweep(sweep: list[dict[str, Any]]) -> list[str]:
+    """One line per shape: fastest config against the default (first) one."""
+    lines = []
+    for shape in dict.fromkeys(r["shape"] for r in sweep):
+        rows = [r for r in sweep if r["shape"] == shape]
+        best = min(rows, key=lambda r: r["ms"])
+        lines.append(f"  sweep {shape}: best {best['config']} {best['ms']:.4f} ms (default {rows[0]['ms']:.4f} ms)")
+    return lines
+
+
 def evaluate_targets(timings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Triton / FlashInfer time ratio per shape against the issue's targets."""
     by = {(t["shape"], t["backend"]): t for t in timings}
@@ -417,6 +474,7 @@ def format_table(report: Report) -> str:
     for t in report.targets:
         lines.append(f"  target {t['shape']}: triton/flashinfer = {t['ratio']:.2f}x (<= {t['target']}x) "
                      f"{'ok' if t['ok'] else 'MISSED'}")
+    lines += best_sweep(report.sweep)
     if report.e2e:
         lines.append("== end to end on SmolLM2-135M")
         for e in report.e2e:
@@ -438,6 +496,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--skip-sweep", action="store_true", help="skip the Triton launch-config sweep")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default: $OUT)")
     return p.parse_args(argv)
 
@@ -460,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[gpu_check] correctness done at {time.perf_counter() - t0:.0f}s", flush=True)
     if not args.skip_bench:
         report.guard("kernel timing", lambda: bench_attention(report, args.device, backends, args.iters, args.quick))
+        if "triton" in backends and not args.skip_sweep:
+            report.guard("triton sweep", lambda: sweep_triton(report, args.device, args.iters // 2 or 1, args.quick))
     print(f"[gpu_check] timing done at {time.perf_counter() - t0:.0f}s", flush=True)
     if not args.skip_e2e:
         report.guard("end to end", lambda: bench_e2e(report, args.device, backends, args.quick))
