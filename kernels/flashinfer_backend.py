@@ -76,6 +76,23 @@ def build_page_table(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens
                      last_page_len=torch.tensor(last, dtype=torch.int32, device=device))
 
 
+def check_page_layout(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, seq_lens: list[int], page_size: int) -> None:
+    """Raise ValueError unless token t of every sequence sits at offset t % page_size of the page
+    that holds its page's first token (what the page table assumes). Costs one device sync."""
+    if page_size == 1:
+        return
+    pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in seq_lens]).to(kv_indices.device)
+    starts = torch.repeat_interleave(kv_indptr[:-1].to(torch.int64),
+                                     torch.tensor(seq_lens, device=kv_indptr.device))
+    slots = kv_indices[starts + pos].to(torch.int64)
+    first = kv_indices[starts + pos // page_size * page_size].to(torch.int64)
+    ok = (slots % page_size == pos % page_size) & (slots // page_size == first // page_size)
+    if not bool(ok.all()):
+        bad = int((~ok).nonzero()[0, 0])
+        raise ValueError(f"KV slot {int(slots[bad])} of token {int(pos[bad])} breaks the page layout "
+                         f"(page_size {page_size}): sequences must fill whole pages in order")
+
+
 def shared_prefix_len(meta: AttentionMetadata, page_size: int, min_len: int) -> int:
     """Length of the leading slot run every request of the batch shares, rounded down to whole pages.
 
@@ -107,7 +124,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def __init__(self, device: torch.device | str = "cuda", page_size: int = 1, workspace_mb: int = 128,
                  use_cascade: bool = True, cascade_min_batch: int = 4, cascade_min_prefix: int = 256,
-                 decode_tensor_cores: bool | None = None) -> None:
+                 decode_tensor_cores: bool | None = None, debug_checks: bool = False) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.flashinfer = import_flashinfer()
@@ -117,6 +134,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.cascade_min_batch = cascade_min_batch
         self.cascade_min_prefix = cascade_min_prefix
         self.decode_tensor_cores = decode_tensor_cores
+        self.debug_checks = debug_checks
         self.workspace = torch.zeros(workspace_mb << 20, dtype=torch.uint8, device=self.device)
         self._prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._cascade = self.flashinfer.MultiLevelCascadeAttentionWrapper(2, self.workspace, "NHD")
@@ -154,6 +172,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         ps = self.page_size
         dtypes = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype)
         seq = meta.seq_lens_cpu
+        if self.debug_checks:
+            check_page_layout(meta.kv_indptr, meta.kv_indices, seq, ps)
         if plan.kind == "cascade":
             shared = plan.shared_len
             top = build_page_table(meta.kv_indptr[:2], meta.kv_indices, [shared], ps)

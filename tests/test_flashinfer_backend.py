@@ -169,6 +169,16 @@ def test_build_page_table_page_size_1_and_4() -> None:
         build_page_table(kv_indptr, kv_indices, [3, 6], 4, starts=[0, 2])
 
 
+def test_check_page_layout() -> None:
+    from radix_backend.kernels.flashinfer_backend import check_page_layout
+    *_, meta = paged_batch([6, 13], [1, 3], 4, seed=2)
+    check_page_layout(meta.kv_indptr, meta.kv_indices, meta.seq_lens_cpu, 4)  # valid
+    broken = meta.kv_indices.clone()
+    broken[[1, 2]] = broken[[2, 1]]  # two tokens swapped inside a page
+    with pytest.raises(ValueError, match="page layout"):
+        check_page_layout(meta.kv_indptr, broken, meta.seq_lens_cpu, 4)
+
+
 def test_shared_prefix_len_detection() -> None:
     from radix_backend.kernels.flashinfer_backend import shared_prefix_len
     *_, meta = paged_batch([40, 37, 52], [1, 1, 1], 1, shared=30)
@@ -185,7 +195,7 @@ def test_shared_prefix_len_detection() -> None:
 def test_backend_matches_torch_with_fake_flashinfer(fake_flashinfer, page_size: int, decode: bool) -> None:
     from radix_backend.kernels.flashinfer_backend import FlashInferAttentionBackend
     extend = [1, 1, 1] if decode else [5, 1, 9]
-    backend = FlashInferAttentionBackend(device="cpu", page_size=page_size, workspace_mb=1)
+    backend = FlashInferAttentionBackend(device="cpu", page_size=page_size, workspace_mb=1, debug_checks=True)
     check_against_torch(backend, paged_batch([0, 13, 6], extend, page_size, seed=page_size))
     assert backend._plan.kind == ("decode" if decode else "prefill")
 
