@@ -122,7 +122,7 @@ class RequestHandle:
         return self.wait(0)
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: the scheduler keeps requests in lists
 class Req:
     """A request as the scheduler sees it. Slots [0, cached_len) belong to the radix tree (locked
     through `last_node`); slots [cached_len, kv_len) are private to this request."""

@@ -57,11 +57,13 @@ def _filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[int]:
     """Pick one token per row; `logits` [B, V] float32 (already constraint-masked), modified in place."""
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    out = [0] * len(rows)
     if any(r.params.has_penalties for r in rows):
         apply_penalties(logits, rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    if len(greedy) == len(rows):  # the common fast path: one argmax over the batch
+        return logits.argmax(dim=-1).tolist()
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    out = [0] * len(rows)
     if greedy:
         picks = logits[greedy].argmax(dim=-1).tolist()
         for i, tok in zip(greedy, picks):

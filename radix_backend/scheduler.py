@@ -437,9 +437,11 @@ class Scheduler:
 
     def _sample(self, items: list[tuple[Req, int]], logits: torch.Tensor) -> None:
         reqs = [r for r, _ in items]
-        raw = logits[torch.tensor([i for _, i in items], device=logits.device)]
-        work = raw.clone()
+        rows_idx = [i for _, i in items]
+        raw = logits if rows_idx == list(range(logits.shape[0])) else logits[torch.tensor(rows_idx, device=logits.device)]
         constrained = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        modifies = constrained or any(r.params.has_penalties for r in reqs)
+        work = raw.clone() if modifies and any(r.params.logprobs for r in reqs) else raw
         if constrained:
             from .constrained import apply_bitmask
             mask = self.bitmask_factory(len(reqs))
