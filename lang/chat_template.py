@@ -23,7 +23,8 @@ Renderer = Callable[[list[dict], bool], str]  # (messages, add_generation_prompt
 class ChatTemplate:
     name: str
     role_prefix_and_suffix: dict[str, tuple[str, str]]
-    default_system_prompt: str | None = None  # inserted when a program starts with a non-system role
+    # inserted as a system turn when a program starts with another role ("" = an empty system turn)
+    default_system_prompt: str | None = None
     first_prefix: str = ""  # text before the very first message (e.g. a BOS string)
     stop_str: list[str] = field(default_factory=list)
 
@@ -73,9 +74,13 @@ def from_renderer(render: Renderer, name: str = "model") -> ChatTemplate:
     """
     try:
         return _derive(render, name)
-    except Exception as exc:  # noqa: BLE001 - any template quirk means "not derivable"
-        logger.warning("could not derive role strings from the chat template of %s (%s); using ChatML", name, exc)
-        return chatml()
+    except Exception as first:  # noqa: BLE001 - any template quirk means "not derivable this way"
+        try:  # templates without a separate system turn (Mistral, Gemma): user/assistant only
+            return _derive_without_system(render, name)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not derive role strings from the chat template of %s (%s; %s); using ChatML",
+                           name, first, exc)
+            return chatml()
 
 
 def _derive(render: Renderer, name: str) -> ChatTemplate:
@@ -114,6 +119,26 @@ def _derive(render: Renderer, name: str) -> ChatTemplate:
             "user": (user_prefix, user_suffix),
             "assistant": (asst_prefix, asst_suffix),
         },
-        default_system_prompt=default_system or None,
+        default_system_prompt=default_system,
         first_prefix=first_prefix,
+    )
+
+
+def _derive_without_system(render: Renderer, name: str) -> ChatTemplate:
+    user_msg = {"role": "user", "content": _USER}
+    asst_msg = {"role": "assistant", "content": _ASSIST}
+    user2_msg = {"role": "user", "content": _SYS}  # any second distinct sentinel
+    t_u = render([user_msg], False)
+    t_ua = render([user_msg, asst_msg], False)
+    t_uau = render([user_msg, asst_msg, user2_msg], False)
+    head, user_suffix = _split(t_u, _USER)
+    asst_prefix = _strip_prefix(render([user_msg], True), t_u)
+    _, asst_suffix = _split(_strip_prefix(t_ua, t_u), _ASSIST)
+    user_prefix, user_suffix2 = _split(_strip_prefix(t_uau, t_ua), _SYS)
+    if user_suffix2 != user_suffix or not head.endswith(user_prefix):
+        raise ValueError("user turns render differently depending on their position")
+    return ChatTemplate(
+        name=name,
+        role_prefix_and_suffix={"user": (user_prefix, user_suffix), "assistant": (asst_prefix, asst_suffix)},
+        first_prefix=head[: len(head) - len(user_prefix)],
     )

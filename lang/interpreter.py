@@ -319,7 +319,7 @@ class ProgramState(_RoleMixin):
         if self._cur_role is not None:
             raise ProgramError(f"{role}() begins inside {self._cur_role}(): roles cannot nest; end the first role")
         tmpl = self._run.chat_template
-        if not self._messages and role != "system" and tmpl.default_system_prompt:
+        if not self._messages and role != "system" and tmpl.default_system_prompt is not None:
             self._role_begin("system")
             self._append(tmpl.default_system_prompt)
             self._role_end("system")
