@@ -202,6 +202,8 @@ def guidance_transformers_baseline(model: Any, tokenizer: Any) -> Any:
                 cache._absolute_crop = True
             return super().get_logits(token_ids, include_all_uncached_tokens)
 
-    engine = _AbsoluteCropEngine(model, tokenizer, enable_monitoring=False, enable_token_probabilities=False,
-                                 enable_top_k=False)
+    from .guidance import _default_chat_template
+
+    engine = _AbsoluteCropEngine(model, tokenizer, chat_template=_default_chat_template(tokenizer),
+                                 enable_monitoring=False, enable_token_probabilities=False, enable_top_k=False)
     return Model(interpreter=EngineInterpreter(engine), sampling_params=GuidanceSamplingParams(), echo=False)

@@ -69,15 +69,16 @@ class RadixGuidanceEngine(GuidanceEngine):
                          enable_top_k=enable_top_k, top_k=top_k)
         self.engine = engine
         self._vocab_size = int(tokenizer._vocab_size)
-        self._last_ids: list[int] = []
-        self._last_logits: np.ndarray | None = None
+        self._last: tuple[list[int], np.ndarray | None] = ([], None)  # one tuple: swapped atomically
 
     def get_logits(self, token_ids: list[int], include_all_uncached_tokens: bool = False) -> LogitsOutput:
         """Next-token logits of `token_ids`, shape (1, vocab).
 
         Only the last row is returned even when all uncached rows are asked for: guidance then
         just skips probabilities of fast-forwarded tokens (its code allows fewer rows).
-        `n_cached` is how many prompt tokens the radix cache served for this call.
+        `n_cached` (guidance's usage accounting only) counts the tokens shared with this
+        backend's previous call; the radix tree usually serves more (any earlier program), which
+        `engine.cache_stats()` reports. Asking the engine per token would cost a scheduler round trip.
         """
         if not token_ids:
             raise InvalidRequestError("guidance asked for logits of an empty token sequence")
@@ -85,14 +86,18 @@ class RadixGuidanceEngine(GuidanceEngine):
         if limit and len(token_ids) >= limit:
             raise PromptTooLongError(
                 f"guidance program is {len(token_ids)} tokens, the model's context is {limit}; shorten the program")
-        if token_ids == self._last_ids and self._last_logits is not None:
-            return {"logits": self._last_logits, "n_tokens": len(token_ids), "n_cached": len(token_ids)}
-        before = self.engine.cache_stats().cached_tokens
+        last_ids, last_logits = self._last
+        if last_logits is not None and token_ids == last_ids:
+            return {"logits": last_logits, "n_tokens": len(token_ids), "n_cached": len(token_ids)}
+        shared = 0
+        for a, b in zip(token_ids, last_ids):
+            if a != b:
+                break
+            shared += 1
         logits = self.engine.next_token_logits(list(token_ids))
-        served = self.engine.cache_stats().cached_tokens - before
         row = logits.detach().float().cpu().numpy().reshape(-1)[: self._vocab_size][None, :]
-        self._last_ids, self._last_logits = list(token_ids), row
-        return {"logits": row, "n_tokens": len(token_ids), "n_cached": max(0, min(served, len(token_ids) - 1))}
+        self._last = (list(token_ids), row)
+        return {"logits": row, "n_tokens": len(token_ids), "n_cached": min(shared, len(token_ids) - 1)}
 
 
 class RadixGuidance(Model):
