@@ -219,21 +219,30 @@ def test_backend_reuses_plan_across_layers_and_replans_per_batch() -> None:
 
 
 @kernel_test
-def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir) -> None:
-    """Whole engine on a tiny model: Triton attention gives the torch backend's greedy tokens,
-    both on cold prompts (extend from prefix 0, decode) and on radix-cache hits (extend with prefix)."""
+def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch) -> None:
+    """Whole engine on a tiny model: Triton attention (and then also the Triton fused ops) gives
+    the torch path's greedy tokens, on cold prompts (extend from prefix 0, decode) and on
+    radix-cache hits (extend with prefix)."""
     from radix_backend import Engine, SamplingParams
+    from radix_backend.kernels import ops
     prompts = ["The quick brown fox", "The quick brown fox jumps over", "Hello there"]
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     tokens = {}
-    for name in ("torch", "triton"):
-        with Engine(str(tiny_llama_dir), device=DEVICE, dtype="float32", attention_backend=name,
+    for name in ("torch", "triton", "triton+ops"):
+        if name == "triton+ops":  # the model's norms, RoPE and MLP activation through Triton too
+            from radix_backend.kernels import triton_ops
+            monkeypatch.setattr(ops, "_use_triton", lambda x: True)
+            calls = []
+            real_rotary = triton_ops.apply_rotary
+            monkeypatch.setattr(triton_ops, "apply_rotary", lambda *a: calls.append(1) or real_rotary(*a))
+        with Engine(str(tiny_llama_dir), device=DEVICE, dtype="float32", attention_backend=name.split("+")[0],
                     kv_cache_tokens=1024) as engine:
             cold = engine.generate(prompts, params)
             warm = engine.generate(prompts, params)
             assert all(o.meta.cached_tokens > 0 for o in warm)
             tokens[name] = [o.token_ids for o in cold + warm]
     assert tokens["triton"] == tokens["torch"]
+    assert tokens["triton+ops"] == tokens["torch"] and calls
 
 
 def test_default_num_kv_splits_bounds() -> None:
