@@ -56,13 +56,14 @@ class Engine:
                  kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
                  schedule_policy: str = "lpm", attention_backend: str = "auto", max_running_requests: int = 64,
                  chunked_prefill_tokens: int = 2048, disable_radix_cache: bool = False,
-                 enable_jump_forward: bool = True, seed: int = 0, debug_slots: bool = False) -> None:
+                 enable_jump_forward: bool = True, seed: int = 0, debug_slots: bool = False, tp_size: int = 1) -> None:
         self.checkpoint = resolve_checkpoint(model)
         self.model_path = str(self.checkpoint.path)
         self.model_name = model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.runner = ModelRunner(self.checkpoint, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
-                                  mem_fraction=mem_fraction, page_size=page_size, attention_backend=attention_backend)
+                                  mem_fraction=mem_fraction, page_size=page_size, attention_backend=attention_backend,
+                                  tp_size=tp_size)
         self.eos_token_ids = frozenset(self._collect_eos_ids())
         self.seed = seed
         self._ids = itertools.count()
@@ -332,6 +333,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        self.runner.shutdown()  # stops tensor-parallel worker processes
 
     def __enter__(self) -> "Engine":
         return self

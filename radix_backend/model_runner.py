@@ -64,7 +64,10 @@ def _available_memory_bytes(device: torch.device) -> int:
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, *, device: str = "auto", dtype: str = "auto",
                  kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", tp_size: int = 1) -> None:
+        if tp_size != 1:
+            raise ValueError(f"tp_size={tp_size} is not supported yet")
+        self.tp = None
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = checkpoint.config
@@ -107,3 +110,6 @@ class ModelRunner:
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=dev)
         logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=dev)
         return self.model(input_ids, positions, self.kv_caches, self.attention_backend, meta, logits_indices)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any (a no-op for one process)."""
