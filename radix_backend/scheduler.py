@@ -96,6 +96,9 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         if self._stop.is_set():
             raise EngineShutdownError("the engine is shut down; create a new Engine")
+        if req.constraint is not None and self.enable_jump_forward:
+            self._jump_forward(req)  # tokens the grammar forces up front join the prompt's prefill
+            req.update_text(lambda ids: self.decode(ids, req.params.skip_special_tokens))
         self._inbox.put(("add", req))
 
     def abort(self, rid: str) -> None:
@@ -131,7 +134,8 @@ class Scheduler:
             if self._stop.is_set():
                 break
             try:
-                self._step()
+                with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
+                    self._step()
             except Exception as exc:  # a bug or a device error: fail the batch, keep serving
                 logger.exception("scheduler step failed")
                 for req in list(self.running) + list(self.waiting):
@@ -443,10 +447,9 @@ class Scheduler:
         modifies = constrained or any(r.params.has_penalties for r in reqs)
         work = raw.clone() if modifies and any(r.params.logprobs for r in reqs) else raw
         if constrained:
-            from .constrained import apply_bitmask
+            from .constrained import apply_bitmask, fill_bitmasks
             mask = self.bitmask_factory(len(reqs))
-            for i in constrained:
-                reqs[i].constraint.fill_bitmask(mask, i)
+            fill_bitmasks([(reqs[i].constraint, i) for i in constrained], mask)
             apply_bitmask(work, mask, constrained)
         rows = [SamplerRow(r.params, r.output_ids, r.prompt_ids, r.generator) for r in reqs]
         tokens = sample(work, rows)
@@ -481,12 +484,18 @@ class Scheduler:
             req.finish_reason = req.finish_reason or "stop"
             return
         if self.enable_jump_forward:
-            for forced in c.forced_tokens():
-                if req.finished:
-                    break
-                self._append_token(req, forced)
-            if not req.finished and c.is_finished():
-                req.finish_reason = "stop"
+            self._jump_forward(req)
+
+    def _jump_forward(self, req: Req) -> None:
+        """Append the tokens the grammar forces from here; they need no decode step of their own."""
+        forced = req.constraint.forced_tokens()
+        for i, tok in enumerate(forced):
+            self._append_token(req, tok)
+            if req.finished:
+                req.constraint.rollback(len(forced) - i - 1)  # keep the matcher in step with the output
+                return
+        if req.constraint.is_finished():
+            req.finish_reason = "stop"
 
     # ---- finishing ----------------------------------------------------------------------------
     def _finish(self, req: Req, error: BaseException | None = None) -> None:

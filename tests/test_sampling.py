@@ -91,3 +91,11 @@ def test_max_new_tokens_zero_only_prefills(engine):
     assert out.token_ids == [] and out.finish_reason == "length"
     again = engine.generate("Delta epsilon zeta", SamplingParams(max_new_tokens=1, temperature=0))
     assert again.meta.cached_tokens > 0
+
+
+def test_penalties_through_the_engine(engine):
+    plain = engine.generate("Echo echo echo", SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    penalized = engine.generate("Echo echo echo", SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True,
+                                                                 repetition_penalty=5.0, frequency_penalty=2.0))
+    assert len(set(penalized.token_ids)) >= len(set(plain.token_ids))
+    assert penalized.token_ids != plain.token_ids or len(set(plain.token_ids)) == 12
