@@ -95,46 +95,45 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- RoPE
 
 @triton.jit
-def _rotary_kernel(Q, K, POS, CACHE, stride_qt, stride_qh, stride_kt, stride_kh, stride_c,
-                   HQ, HKV, HALF, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """One program per token rotates all its q and k heads in place (first 2*HALF features)."""
+def _rotary_kernel(X, OUT, POS, CACHE, stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
+                   H, HALF, HEAD_DIM, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (token, head block): out = x*cos + rotate_half(x)*sin on the first 2*HALF features,
+    a copy past them. Out of place, one pass: the partner feature (d +- HALF) is a second load."""
     tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    rot = 2 * HALF
+    in_rot = d < rot
+    first = d < HALF
+    partner = tl.where(first, d + HALF, tl.where(in_rot, d - HALF, d))
     pos = tl.load(POS + tok).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    dmask = offs < HALF
-    cos = tl.load(CACHE + pos * stride_c + offs, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(CACHE + pos * stride_c + HALF + offs, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    heads = tl.arange(0, BLOCK_H)
-    for h0 in range(0, HQ, BLOCK_H):
-        hm = ((h0 + heads) < HQ)[:, None] & dmask[None, :]
-        p = Q + tok * stride_qt + (h0 + heads)[:, None] * stride_qh + offs[None, :]
-        x1 = tl.load(p, mask=hm, other=0.0)
-        x2 = tl.load(p + HALF, mask=hm, other=0.0)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(p, (a * cos - b * sin).to(x1.dtype), mask=hm)
-        tl.store(p + HALF, (b * cos + a * sin).to(x1.dtype), mask=hm)
-    for h0 in range(0, HKV, BLOCK_H):
-        hm = ((h0 + heads) < HKV)[:, None] & dmask[None, :]
-        p = K + tok * stride_kt + (h0 + heads)[:, None] * stride_kh + offs[None, :]
-        x1 = tl.load(p, mask=hm, other=0.0)
-        x2 = tl.load(p + HALF, mask=hm, other=0.0)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(p, (a * cos - b * sin).to(x1.dtype), mask=hm)
-        tl.store(p + HALF, (b * cos + a * sin).to(x1.dtype), mask=hm)
+    freq = tl.where(first, d, d - HALF)
+    cos = tl.load(CACHE + pos * stride_c + freq, mask=in_rot, other=1.0).to(tl.float32)
+    sin = tl.load(CACHE + pos * stride_c + HALF + freq, mask=in_rot, other=0.0).to(tl.float32)
+    sign = tl.where(first, -1.0, 1.0)
+    mask = (heads < H)[:, None] & (d < HEAD_DIM)[None, :]
+    row = X + tok * stride_xt + heads[:, None] * stride_xh
+    x = tl.load(row + d[None, :], mask=mask, other=0.0)
+    xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = x.to(tl.float32) * cos[None, :] + sign[None, :] * xp * sin[None, :]
+    tl.store(OUT + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], y.to(x.dtype), mask=mask)
+
+
+def _rotate(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    n_tokens, heads, dim = x.shape
+    out = torch.empty((n_tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if n_tokens and heads:
+        block_h = min(triton.next_power_of_2(heads), 16)
+        _rotary_kernel[(n_tokens, triton.cdiv(heads, block_h))](
+            x, out, positions, cache, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cache.stride(0),
+            heads, cache.shape[-1] // 2, dim, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(dim))
+    return out
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Out of place: rotates copies of q and k (features past rot_dim are copied through)."""
-    q_out = q.clone(memory_format=torch.contiguous_format)
-    k_out = k.clone(memory_format=torch.contiguous_format)
+    """Out of place: new contiguous q and k (features past rot_dim are copied through)."""
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    half = cache.shape[-1] // 2
-    n_tokens = q.shape[0]
-    if n_tokens and half:
-        block_h = min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), 16)
-        _rotary_kernel[(n_tokens,)](
-            q_out, k_out, positions, cache, q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-            cache.stride(0), q.shape[1], k.shape[1], half,
-            BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(half))
-    return q_out, k_out
+    return _rotate(q, positions, cache), _rotate(k, positions, cache)

@@ -90,8 +90,8 @@ def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
     _compile_for(triton_ops._rms_norm_kernel, dict(X=p, R=p, W=p, Y=p, RES_OUT=p, eps="fp32"),
                  dict(HAS_RESIDUAL=True, BLOCK=1024), 90, num_warps=4)
     _compile_for(triton_ops._silu_and_mul_kernel, dict(X=p, Y=p), dict(BLOCK=1024), 90)
-    _compile_for(triton_ops._rotary_kernel, dict(Q=p, K=p, POS=ptr_i64, CACHE=ptr_f32),
-                 dict(BLOCK_H=16, BLOCK_HALF=dim // 2), 90)
+    _compile_for(triton_ops._rotary_kernel, dict(X=p, OUT=p, POS=ptr_i64, CACHE=ptr_f32),
+                 dict(BLOCK_H=16, BLOCK_D=dim), 90)
 
 
 # ----------------------------------------------------------------------------- helpers
