@@ -1,17 +1,14 @@
-"""Fused ops: torch paths vs plain formulas and HF Llama modules; Triton paths under TRITON_INTERPRET=1.
+"""Fused ops: torch paths vs plain formulas and HF Llama modules.
 
-The Triton checks run in a subprocess because TRITON_INTERPRET must be set before triton is
-imported and must not leak into other tests.
+The Triton versions are checked against these torch versions in test_kernels_triton.py (under
+TRITON_INTERPRET=1 in a subprocess, or compiled on CUDA).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch

@@ -478,8 +478,9 @@ def format_table(report: Report) -> str:
     if report.e2e:
         lines.append("== end to end on SmolLM2-135M")
         for e in report.e2e:
-            lines.append(f"  {e['backend']:<11} {e['workload']:<10} {e['requests']:>4} req {e['tok_per_s']:>9.1f} tok/s "
-                         f"hit {e['hit_rate']:.2f} same-as-first {e['same_as_first']:.2f} (load {e['load_s']:.1f}s)")
+            lines.append(f"  {e['backend']:<11} {e['workload']:<10} {e['requests']:>4} req "
+                         f"{e['tok_per_s']:>9.1f} tok/s hit {e['hit_rate']:.2f} "
+                         f"same-as-first {e['same_as_first']:.2f} (load {e['load_s']:.1f}s)")
     for err in report.errors:
         lines.append(f"  ERROR {err}")
     return "\n".join(lines)
