@@ -294,10 +294,12 @@ class RadixChatModel(_EngineFields, BaseChatModel):
             return False
         if self.cache is not False and (self.cache is not None or get_llm_cache() is not None):
             return False
+        protocol_streaming = getattr(self, "_should_use_protocol_streaming", None)  # langchain-core >= 1.8
         for cfg in configs:
             manager = CallbackManager.configure(cfg.get("callbacks"), self.callbacks, self.verbose)
-            if self._should_stream(async_api=async_api, run_manager=manager, **kwargs) or \
-                    self._should_use_protocol_streaming(async_api=async_api, run_manager=manager, **kwargs):
+            if self._should_stream(async_api=async_api, run_manager=manager, **kwargs):
+                return False
+            if protocol_streaming is not None and protocol_streaming(async_api=async_api, run_manager=manager, **kwargs):
                 return False
         return True
 

