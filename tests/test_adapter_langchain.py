@@ -230,6 +230,19 @@ def test_text_llm_batch_is_one_call_and_streams_with_callbacks() -> None:
     assert asyncio.run(llm.ainvoke("q")) == "Q"
 
 
+def test_text_llm_streaming_flag_and_tool_stream() -> None:
+    eng = ScriptedEngine(replies=lambda prompt, params: "u v")
+    rec = TokenRecorder()
+    assert RadixLLM(engine=eng, streaming=True).invoke("q", config={"callbacks": [rec]}) == "u v"
+    assert rec.tokens == ["u ", "v"] and eng.calls[-1].kind == "stream"
+    eng.replies = lambda prompt, params: json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}})
+    chunks = list(RadixChatModel(engine=eng).bind_tools([add], tool_choice="add").stream("1+2?"))
+    merged = chunks[0]
+    for c in chunks[1:]:
+        merged = merged + c
+    assert merged.tool_calls[0]["name"] == "add" and merged.tool_calls[0]["args"] == {"a": 1, "b": 2}
+
+
 def test_missing_langchain_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "langchain_core", None)
     monkeypatch.delitem(sys.modules, "radix_backend.adapters.langchain")

@@ -87,3 +87,16 @@ def test_three_frameworks_share_one_system_prompt_prefix(engine: Any) -> None:
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How many steps does the tower have?"}],
         add_generation_prompt=True))) - system_tokens
     assert system_tokens > 60 and computed <= user_turn + 6 + 2, (computed, user_turn, system_tokens)
+
+
+@pytest.mark.slow
+def test_adapters_built_without_engine_share_the_process_engine(engine: Any) -> None:
+    from radix_backend.adapters.guidance import RadixGuidance
+    from radix_backend.adapters.langchain import RadixChatModel, RadixLLM
+    from radix_backend.adapters.llama_index import RadixLlamaIndexLLM
+
+    # engine= omitted: each adapter takes get_engine(model) (model=None: the embedded SmolLM2)
+    assert RadixChatModel().engine is engine
+    assert RadixLLM().engine is engine
+    assert RadixLlamaIndexLLM().engine is engine
+    assert RadixGuidance().engine is engine
