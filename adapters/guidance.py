@@ -117,6 +117,7 @@ class RadixGuidance(Model):
                          sampling_params=sampling_params or GuidanceSamplingParams(), echo=echo)
 
     @property
-    def engine(self) -> Any:
-        """The radix engine underneath (for cache_stats and sharing with other adapters)."""
+    def radix_engine(self) -> Any:
+        """The radix engine underneath (for cache_stats and sharing with other adapters).
+        (`lm.engine` stays guidance's own: the RadixGuidanceEngine.)"""
         return self._interpreter.engine.engine

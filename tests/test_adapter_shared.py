@@ -91,7 +91,7 @@ def test_three_frameworks_share_one_system_prompt_prefix(engine: Any) -> None:
 
 @pytest.mark.slow
 def test_adapters_built_without_engine_share_the_process_engine(engine: Any) -> None:
-    from radix_backend.adapters.guidance import RadixGuidance
+    from radix_backend.adapters.guidance import RadixGuidance, RadixGuidanceEngine
     from radix_backend.adapters.langchain import RadixChatModel, RadixLLM
     from radix_backend.adapters.llama_index import RadixLlamaIndexLLM
 
@@ -99,4 +99,5 @@ def test_adapters_built_without_engine_share_the_process_engine(engine: Any) -> 
     assert RadixChatModel().engine is engine
     assert RadixLLM().engine is engine
     assert RadixLlamaIndexLLM().engine is engine
-    assert RadixGuidance().engine is engine
+    assert RadixGuidance().radix_engine is engine
+    assert isinstance(RadixGuidance().engine, RadixGuidanceEngine)  # guidance's own meaning of .engine
