@@ -18,6 +18,17 @@ SYSTEM = ("You are the help desk of the Radix Lighthouse museum on Cape Verity. 
           "Answer visitors briefly and politely.")
 
 
+def test_adapters_package_imports_no_framework() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, radix_backend.adapters as a; "
+            "assert not {'langchain_core', 'llama_index', 'guidance'} & {m.split('.')[0] for m in sys.modules}; "
+            "assert a.RadixChatModel.__module__ == 'radix_backend.adapters.langchain'; "
+            "assert 'langchain_core' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def engine() -> Any:
     from radix_backend.engine import get_engine
