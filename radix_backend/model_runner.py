@@ -1,10 +1,15 @@
-"""ModelRunner: owns the model weights, the KV pool and the attention backend; runs one ragged batch."""
+"""ModelRunner: owns the model weights, the KV pool and the attention backend; runs one ragged batch.
+
+With tp_size > 1 the runner holds this rank's shard and KV heads only (radix_backend/distributed.py
+starts or joins the other ranks); `forward` on rank 0 broadcasts the batch so that every rank runs it.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +18,10 @@ from radix_backend.kernels import AttentionMetadata, create_attention_backend
 from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
 from .models import build_model
+from .models.llama import check_tp_divisible
+
+if TYPE_CHECKING:
+    from .distributed import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -65,26 +74,48 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, *, device: str = "auto", dtype: str = "auto",
                  kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
                  attention_backend: str = "auto", tp_size: int = 1) -> None:
-        if tp_size != 1:
-            raise ValueError(f"tp_size={tp_size} is not supported yet")
-        self.tp = None
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = checkpoint.config
+        check_tp_divisible(self.config, tp_size)  # before any process starts
+        self.tp: TensorParallel | None = None
+        if tp_size > 1:
+            from .distributed import init_tensor_parallel
+
+            runner_args = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
+                           "kv_cache_tokens": kv_cache_tokens, "mem_fraction": mem_fraction, "page_size": page_size,
+                           "attention_backend": attention_backend}
+            self.tp = init_tensor_parallel(tp_size, self.device, {"model": str(checkpoint.path), "runner": runner_args})
+            self.device = self.tp.device
+        try:
+            self._build(checkpoint, kv_cache_tokens, mem_fraction, page_size, attention_backend)
+        except BaseException as exc:
+            if self.tp is not None:
+                self.tp.mark_broken(f"building the model failed: {exc}")
+            self.shutdown()
+            raise
+        if self.tp is not None and self.tp.rank != 0:
+            self.tp.serve(self)  # a worker rank: serve rank 0's forwards until it stops us
+            raise SystemExit(0)
+
+    def _build(self, checkpoint: Checkpoint, kv_cache_tokens: int | None, mem_fraction: float | None,
+               page_size: int, attention_backend: str) -> None:
         self.model = build_model(self.config, iter_weights(checkpoint, dtype=torch.float32, device="cpu"),
-                                 dtype=self.dtype, device=self.device)
+                                 dtype=self.dtype, device=self.device, tp=self.tp)
         attn = self.model.layers[0].self_attn
         pool_cfg = KVPoolConfig(num_layers=len(self.model.layers), num_kv_heads=attn.num_kv_heads,
                                 head_dim=attn.head_dim, dtype=self.dtype, device=self.device)
         num_slots = kv_cache_tokens or self._default_kv_tokens(pool_cfg, mem_fraction)
+        if self.tp is not None:
+            num_slots = self.tp.agree_min(num_slots)  # every rank's pool must have the same slots
         if num_slots < 16:
             raise ValueError(f"kv_cache_tokens must be >= 16, got {num_slots}")
         self.kv_pool = KVPool(pool_cfg, num_slots, page_size=page_size)
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(pool_cfg.num_layers)]
         backend_kwargs = {"page_size": page_size} if attention_backend == "flashinfer" else {}
         self.attention_backend = create_attention_backend(attention_backend, self.device, **backend_kwargs)
-        logger.info("model on %s/%s, %d KV slots, attention=%s", self.device, self.dtype, num_slots,
-                    self.attention_backend.name)
+        logger.info("model on %s/%s, %d KV slots, attention=%s, tp_size=%d", self.device, self.dtype, num_slots,
+                    self.attention_backend.name, self.tp.size if self.tp else 1)
 
     def _default_kv_tokens(self, cfg: KVPoolConfig, mem_fraction: float | None) -> int:
         available = _available_memory_bytes(self.device)
@@ -103,6 +134,12 @@ class ModelRunner:
 
     def forward(self, batch: ForwardInput) -> torch.Tensor:
         """Run the batch; returns float32 logits [len(logits_indices), vocab]."""
+        if self.tp is not None:
+            return self.tp.run_forward(self, batch)
+        return self.forward_local(batch)
+
+    def forward_local(self, batch: ForwardInput) -> torch.Tensor:
+        """This process's part of the forward (all of it without tensor parallelism)."""
         dev = self.device
         meta = AttentionMetadata.build(batch.prefix_lens, batch.extend_lens, batch.kv_indices.to(dev),
                                        batch.out_slots.to(dev), dev)
@@ -113,3 +150,5 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (a no-op for one process)."""
+        if self.tp is not None:
+            self.tp.shutdown()

@@ -3,11 +3,17 @@
 One forward call takes a ragged batch: the new tokens of many requests, flattened, each
 attending to its own cached prefix through the attention backend. Q/K/V and gate/up
 projections are fused into single matmuls, and logits are computed only at the rows asked for.
+
+Tensor parallelism (`tp` given, see radix_backend/distributed.py): q/k/v and gate/up are
+column-parallel (each rank holds its slice of heads / intermediate features), o_proj and
+down_proj are row-parallel and all-reduce their partial sums. Embeddings, norms and lm_head are
+replicated: the simplest correct choice, and for the small vocabularies here their memory is small.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,9 +21,32 @@ from torch import nn
 from radix_backend.kernels import ops
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
 
+if TYPE_CHECKING:
+    from radix_backend.distributed import TensorParallel
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 )
+# HF weight names split along the output dim (column-parallel) or the input dim (row-parallel)
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def check_tp_divisible(config, tp_size: int) -> None:
+    """Raise a ValueError naming the sizes when `tp_size` cannot shard this model evenly."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    sizes = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+             "intermediate_size": config.intermediate_size}
+    bad = {name: n for name, n in sizes.items() if n % tp_size}
+    if bad:
+        divisors = [d for d in range(1, sizes["num_key_value_heads"] + 1)
+                    if all(n % d == 0 for n in sizes.values())]
+        raise ValueError(
+            f"tp_size={tp_size} must divide " + ", ".join(f"{k} ({v})" for k, v in sizes.items())
+            + f"; it does not divide {', '.join(f'{k} ({v})' for k, v in bad.items())}. "
+            f"Valid tp_size values for this model: {divisors}")
 
 
 def _rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
@@ -47,12 +76,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_id: int) -> None:
+    def __init__(self, config, layer_id: int, tp_size: int = 1,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads = config.num_attention_heads // tp_size  # this rank's heads
+        self.num_kv_heads = config.num_key_value_heads // tp_size
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.all_reduce = all_reduce
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
@@ -76,24 +107,33 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q, k = ops.apply_rotary(q, k, positions, cos_sin)
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = self.o_proj(out.reshape(n, self.q_size))
+        if self.all_reduce is not None:
+            self.all_reduce(out)  # row-parallel: sum the ranks' partial products
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp_size: int = 1, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        intermediate = config.intermediate_size // tp_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
+        self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int) -> None:
+    def __init__(self, config, layer_id: int, tp_size: int = 1,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_id, tp_size, all_reduce)
+        self.mlp = MLP(config, tp_size, all_reduce)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -109,17 +149,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder stack; `forward` returns logits only for `logits_indices` rows."""
+    """The decoder stack; `forward` returns logits only for `logits_indices` rows. With `tp`, this
+    rank's shard (see the module docstring); every rank must run every forward together."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel | None = None) -> None:
         super().__init__()
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        check_tp_divisible(config, self.tp_size)
+        all_reduce = tp.all_reduce if tp is not None and tp.size > 1 else None
         self.config = config
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.tp_size, all_reduce)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -159,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            tensor = self._tp_slice(name, tensor)
             for src, (dst, shard) in stacked.items():
                 if f".{src}." in name:
                     target = name.replace(f".{src}.", f".{dst}.")
@@ -177,6 +223,21 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+
+    def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: rows of column-parallel weights (and their
+        biases), columns of row-parallel weights; everything else whole."""
+        if self.tp_size == 1:
+            return tensor
+        parts = name.split(".")
+        if any(p in parts for p in _COLUMN_PARALLEL):
+            dim = 0
+        elif any(p in parts for p in _ROW_PARALLEL) and parts[-1] == "weight":
+            dim = 1
+        else:
+            return tensor
+        size = tensor.shape[dim] // self.tp_size
+        return tensor.narrow(dim, self.tp_rank * size, size)
 
     def _load_shard(self, param: torch.Tensor, tensor: torch.Tensor, kind: str, shard: int) -> None:
         if kind == "gate_up_proj":
@@ -201,9 +262,10 @@ class LlamaForCausalLM(nn.Module):
         return out
 
 
-def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model = model.to_empty(device=device)
     model.cos_sin_cache = _rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
                                               config.max_position_embeddings).to(device)
