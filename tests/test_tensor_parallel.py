@@ -127,6 +127,17 @@ def test_tp_size_that_does_not_divide_heads_is_a_clear_error(tiny_llama_dir):
     assert set(_worker_pids()) <= before  # refused before any process started
 
 
+@pytest.mark.timeout(60)
+def test_worker_failing_to_start_is_an_error_not_a_hang(tiny_llama_dir, tp2_engine, monkeypatch):
+    tp2_engine.shutdown()  # the module engine: one TP engine per process
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the worker process exits at once with code 1
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code 1 while starting"):
+        Engine(str(tiny_llama_dir), device="cpu", kv_cache_tokens=KV, tp_size=2)
+    assert time.monotonic() - start < 30
+    assert not dist.is_initialized()
+
+
 @pytest.mark.timeout(120)
 def test_worker_crash_is_an_error_on_rank0_not_a_hang(tiny_llama_dir, tp2_engine):
     tp2_engine.shutdown()  # the module engine: one TP engine per process
@@ -207,3 +218,15 @@ def test_smollm2_tp2_refused_tp3_matches_single(smollm2_checkpoint):
     with Engine(model, device="cpu", kv_cache_tokens=KV, tp_size=3) as engine:
         assert engine.runner.kv_pool.cfg.num_kv_heads == 1
         assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_tp2_greedy_tokens_equal_single_gpu(tiny_llama_dir):
+    prompts = PROMPTS[:2]
+    with Engine(str(tiny_llama_dir), device="cuda", dtype="float32", kv_cache_tokens=KV) as engine:
+        expected = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    with Engine(str(tiny_llama_dir), device="cuda", dtype="float32", kv_cache_tokens=KV, tp_size=2) as engine:
+        assert dist.get_backend(engine.runner.tp.group) == "nccl"
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == expected
