@@ -66,9 +66,19 @@ def single_reference(tiny_llama_dir):
     return rounds, logits
 
 
+_module_engines: list[Engine] = []
+
+
+def _free_the_process_group() -> None:
+    """Shut the shared module engine down: a process holds one tensor-parallel engine at a time."""
+    for engine in _module_engines:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tp2_engine(tiny_llama_dir):
     engine = Engine(str(tiny_llama_dir), device="cpu", kv_cache_tokens=KV, tp_size=2)
+    _module_engines.append(engine)
     try:
         yield engine
     finally:
@@ -128,8 +138,8 @@ def test_tp_size_that_does_not_divide_heads_is_a_clear_error(tiny_llama_dir):
 
 
 @pytest.mark.timeout(60)
-def test_worker_failing_to_start_is_an_error_not_a_hang(tiny_llama_dir, tp2_engine, monkeypatch):
-    tp2_engine.shutdown()  # the module engine: one TP engine per process
+def test_worker_failing_to_start_is_an_error_not_a_hang(tiny_llama_dir, monkeypatch):
+    _free_the_process_group()
     monkeypatch.setattr(sys, "executable", "/bin/false")  # the worker process exits at once with code 1
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1 exited with code 1 while starting"):
@@ -139,8 +149,8 @@ def test_worker_failing_to_start_is_an_error_not_a_hang(tiny_llama_dir, tp2_engi
 
 
 @pytest.mark.timeout(120)
-def test_worker_crash_is_an_error_on_rank0_not_a_hang(tiny_llama_dir, tp2_engine):
-    tp2_engine.shutdown()  # the module engine: one TP engine per process
+def test_worker_crash_is_an_error_on_rank0_not_a_hang(tiny_llama_dir):
+    _free_the_process_group()
     engine = Engine(str(tiny_llama_dir), device="cpu", kv_cache_tokens=KV, tp_size=2)
     try:
         assert engine.generate("Hi", GREEDY).token_ids
@@ -207,6 +217,7 @@ def test_torchrun_launch_gives_the_same_tokens(single_reference, tiny_llama_dir,
 def test_smollm2_tp2_refused_tp3_matches_single(smollm2_checkpoint):
     """SmolLM2-135M has 9 heads and 3 KV heads: tp 2 cannot shard it, tp 3 can (3 ranks on a 2-core box)."""
     model = str(smollm2_checkpoint.path)
+    _free_the_process_group()
     before = set(_worker_pids())
     with pytest.raises(ValueError, match=r"num_attention_heads \(9\).*num_key_value_heads \(3\).*\[1, 3\]"):
         Engine(model, device="cpu", kv_cache_tokens=KV, tp_size=2)
@@ -224,6 +235,7 @@ def test_smollm2_tp2_refused_tp3_matches_single(smollm2_checkpoint):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_nccl_tp2_greedy_tokens_equal_single_gpu(tiny_llama_dir):
+    _free_the_process_group()
     prompts = PROMPTS[:2]
     with Engine(str(tiny_llama_dir), device="cuda", dtype="float32", kv_cache_tokens=KV) as engine:
         expected = [o.token_ids for o in engine.generate(prompts, GREEDY)]
