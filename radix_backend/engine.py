@@ -56,14 +56,16 @@ class Engine:
                  kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
                  schedule_policy: str = "lpm", attention_backend: str = "auto", max_running_requests: int = 64,
                  chunked_prefill_tokens: int = 2048, disable_radix_cache: bool = False,
-                 enable_jump_forward: bool = True, seed: int = 0, debug_slots: bool = False, tp_size: int = 1) -> None:
+                 enable_jump_forward: bool = True, seed: int = 0, debug_slots: bool = False, tp_size: int = 1,
+                 cuda_graph: bool | None = None) -> None:
         self.checkpoint = resolve_checkpoint(model)
         self.model_path = str(self.checkpoint.path)
         self.model_name = model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.runner = ModelRunner(self.checkpoint, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                                   mem_fraction=mem_fraction, page_size=page_size, attention_backend=attention_backend,
-                                  tp_size=tp_size)
+                                  tp_size=tp_size,
+                                  cuda_graph=cuda_graph, cuda_graph_max_batch_size=max_running_requests)
         self.eos_token_ids = frozenset(self._collect_eos_ids())
         self.seed = seed
         self._ids = itertools.count()

@@ -73,7 +73,8 @@ def _available_memory_bytes(device: torch.device) -> int:
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, *, device: str = "auto", dtype: str = "auto",
                  kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
-                 attention_backend: str = "auto", tp_size: int = 1) -> None:
+                 attention_backend: str = "auto", tp_size: int = 1, cuda_graph: bool | None = None,
+                 cuda_graph_max_batch_size: int = 64) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = checkpoint.config
@@ -94,6 +95,11 @@ class ModelRunner:
                 self.tp.mark_broken(f"building the model failed: {exc}")
             self.shutdown()
             raise
+        self.graph_runner = None
+        if cuda_graph is None:  # auto: hide Triton's launch overhead on CUDA
+            cuda_graph = self.device.type == "cuda" and self.attention_backend.name == "triton" and self.tp is None
+        if cuda_graph:
+            self._init_graph_runner(cuda_graph_max_batch_size)
         if self.tp is not None and self.tp.rank != 0:
             self.tp.serve(self)  # a worker rank: serve rank 0's forwards until it stops us
             raise SystemExit(0)
@@ -116,6 +122,23 @@ class ModelRunner:
         self.attention_backend = create_attention_backend(attention_backend, self.device, **backend_kwargs)
         logger.info("model on %s/%s, %d KV slots, attention=%s, tp_size=%d", self.device, self.dtype, num_slots,
                     self.attention_backend.name, self.tp.size if self.tp else 1)
+
+    def _init_graph_runner(self, max_batch_size: int) -> None:
+        """Capture the decode step per batch size (eagerly padded on CPU, which is how it is tested)."""
+        from radix_backend.kernels.cuda_graph import CudaGraphDecodeRunner
+
+        if self.tp is not None:
+            raise ValueError("cuda_graph is not supported with tensor parallelism yet")
+
+        def decode_fn(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+            return self.model(input_ids, positions, self.kv_caches, self.attention_backend, meta, rows)
+
+        self.graph_runner = CudaGraphDecodeRunner(
+            decode_fn, max_batch_size=max_batch_size, device=self.device, max_context_len=self.context_length,
+            max_kv_tokens=max(self.kv_pool.num_slots, max_batch_size * self.context_length),
+            use_graphs=self.device.type == "cuda")
+        self.graph_runner.capture()
 
     def _default_kv_tokens(self, cfg: KVPoolConfig, mem_fraction: float | None) -> int:
         available = _available_memory_bytes(self.device)
@@ -145,6 +168,9 @@ class ModelRunner:
                                        batch.out_slots.to(dev), dev)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=dev)
+        if (self.graph_runner is not None and batch.logits_indices == list(range(len(batch.input_ids)))
+                and self.graph_runner.can_run(meta)):
+            return self.graph_runner.run(input_ids, positions, meta)
         logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=dev)
         return self.model(input_ids, positions, self.kv_caches, self.attention_backend, meta, logits_indices)
 

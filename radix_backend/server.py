@@ -935,6 +935,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process each)")
     parser.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas behind a cache-aware router")
     parser.add_argument("--router-policy", choices=["cache_aware", "round_robin", "shortest_queue"],
                         default="cache_aware")
@@ -955,7 +956,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 _ENGINE_ARGS = ("device", "dtype", "kv_cache_tokens", "mem_fraction", "page_size", "schedule_policy",
-                "attention_backend", "max_running_requests", "chunked_prefill_tokens", "disable_radix_cache", "seed")
+                "attention_backend", "max_running_requests", "chunked_prefill_tokens", "disable_radix_cache", "seed", "tp_size")
 
 
 def run_serve(args: argparse.Namespace) -> None:
