@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,8 +121,11 @@ def bench_langchain_chat(engine: Any, baseline: Any, sessions: int, turns: int, 
 
     def run(model: Any, extra_config: dict[str, Any]) -> list[str]:
         stores: dict[str, InMemoryChatMessageHistory] = {}
-        chat = RunnableWithMessageHistory(prompt | model, lambda sid: stores.setdefault(sid, InMemoryChatMessageHistory()),
-                                          input_messages_key="input", history_messages_key="history")
+        with warnings.catch_warnings():  # deprecated in favour of LangGraph, still the common chat wrapper
+            warnings.simplefilter("ignore")
+            chat = RunnableWithMessageHistory(prompt | model,
+                                              lambda sid: stores.setdefault(sid, InMemoryChatMessageHistory()),
+                                              input_messages_key="input", history_messages_key="history")
         replies: list[str] = []
         for turn in range(turns):
             configs = [{"configurable": {"session_id": f"s{s}"}, **extra_config} for s in range(sessions)]
