@@ -1,0 +1,57 @@
+"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex and Guidance calls over one
+shared system prompt, on the engine the demo already holds, each reusing the others' KV."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _computed_and_cached(engine: Any, before: Any) -> str:
+    after = engine.cache_stats()
+    prompt = after.prompt_tokens - before.prompt_tokens
+    cached = after.cached_tokens - before.cached_tokens
+    return f"{cached}/{prompt} prompt tokens from cache"
+
+
+def run_adapter_demo(engine: Any, system: str, max_tokens: int = 24) -> None:
+    """Each framework is skipped (with the install hint) when its extra is missing."""
+    question = "In one sentence, what is a radix tree?"
+    try:
+        from langchain_core.messages import HumanMessage, SystemMessage
+
+        from .langchain import RadixChatModel
+
+        before = engine.cache_stats()
+        msg = RadixChatModel(engine=engine, max_tokens=max_tokens, temperature=0).invoke(
+            [SystemMessage(system), HumanMessage(question)])
+        print(f"   LangChain RadixChatModel -> {str(msg.content).strip()}  ({_computed_and_cached(engine, before)})")
+    except ImportError as exc:
+        print(f"   LangChain: skipped ({exc})")
+    try:
+        from llama_index.core.llms import ChatMessage
+
+        from .llama_index import RadixLlamaIndexLLM
+
+        before = engine.cache_stats()
+        resp = RadixLlamaIndexLLM(engine=engine, max_new_tokens=max_tokens, temperature=0).chat(
+            [ChatMessage(role="system", content=system), ChatMessage(role="user", content=question + " Be brief.")])
+        print(f"   LlamaIndex RadixLlamaIndexLLM -> {str(resp.message.content).strip()}  "
+              f"({_computed_and_cached(engine, before)})")
+    except ImportError as exc:
+        print(f"   LlamaIndex: skipped ({exc})")
+    try:
+        from guidance import assistant, gen, select, system as g_system, user
+
+        from .guidance import RadixGuidance
+
+        before = engine.cache_stats()
+        lm = RadixGuidance(engine=engine)
+        with g_system():
+            lm += system
+        with user():
+            lm += "Is a radix tree a kind of trie? Answer yes or no."
+        with assistant():
+            lm += select(["yes", "no"], name="answer")
+        print(f"   Guidance RadixGuidance select -> {lm['answer']}  ({_computed_and_cached(engine, before)})")
+    except ImportError as exc:
+        print(f"   Guidance: skipped ({exc})")
