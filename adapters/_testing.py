@@ -16,6 +16,7 @@ from typing import Any
 
 from radix_backend.errors import InvalidRequestError
 from radix_backend.outputs import GenerateOutput, RequestMeta, StreamChunk
+from radix_backend.radix_cache import common_prefix_len
 from radix_backend.sampling_params import SamplingParams
 
 Reply = Callable[[str, SamplingParams], str]
@@ -81,7 +82,7 @@ class ScriptedEngine:
     def _run_one(self, prompt: str, params: SamplingParams) -> GenerateOutput:
         params.validate()
         words = prompt.split()
-        cached = max((_common_prefix(words, seen) for seen in self._seen), default=0)
+        cached = max((common_prefix_len(words, seen) for seen in self._seen), default=0)
         self._seen.append(words)
         self._stats.prompt_tokens += len(words)
         self._stats.cached_tokens += cached
@@ -142,15 +143,6 @@ class ScriptedEngine:
         for chunk in self._chunks(self._run_one(prompts[0], sp)):
             await asyncio.sleep(0)
             yield chunk
-
-
-def _common_prefix(a: list[str], b: list[str]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class TransformersLogitsEngine:

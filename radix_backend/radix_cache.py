@@ -53,6 +53,17 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
 
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of `a` and `b[start:]` (token ids or any comparable items)."""
+    n = min(len(a), len(b) - start)
+    if list(a[:n]) == list(b[start:start + n]):  # the common case, compared in C
+        return n
+    i = 0
+    while a[i] == b[start + i]:
+        i += 1
+    return i
+
 @dataclass
 class MatchResult:
     """The longest cached prefix of a query: its KV slots and the node it ends at."""
@@ -322,12 +333,7 @@ class RadixCache:
 
     def _match_len(self, node_key: list[int], key: list[int], pos: int) -> int:
         """Page-aligned length of the common prefix of `node_key` and `key[pos:]`."""
-        n = min(len(node_key), len(key) - pos)
-        if node_key[:n] == key[pos:pos + n]:  # the common case, compared in C
-            return n
-        i = 0
-        while node_key[i] == key[pos + i]:
-            i += 1
+        i = common_prefix_len(node_key, key, pos)
         return i - i % self.page_size
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:

@@ -28,6 +28,7 @@ from contextlib import aclosing, closing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .radix_cache import common_prefix_len
 from .errors import InvalidRequestError
 from .outputs import ChoiceScore, GenerateOutput, StreamChunk
 
@@ -69,7 +70,7 @@ class ApproxRadixTree:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            n = _common_len(child.edge, key, pos)
+            n = common_prefix_len(child.edge, key, pos)
             child.last_access = now
             pos += n
             if n < len(child.edge):
@@ -88,7 +89,7 @@ class ApproxRadixTree:
                 node.children[key[pos]] = leaf
                 self.size += len(leaf.edge)
                 break
-            n = _common_len(child.edge, key, pos)
+            n = common_prefix_len(child.edge, key, pos)
             if n < len(child.edge):  # split the edge at n
                 mid = _Node(edge=child.edge[:n], parent=node, last_access=now)
                 node.children[key[pos]] = mid
@@ -123,14 +124,6 @@ class ApproxRadixTree:
                 stack.extend(node.children.values())
             else:
                 yield node
-
-
-def _common_len(edge: tuple[int, ...], key: Sequence[int], start: int) -> int:
-    n = min(len(edge), len(key) - start)
-    for i in range(n):
-        if edge[i] != key[start + i]:
-            return i
-    return n
 
 
 # ============================================================================ router

@@ -21,7 +21,7 @@ import torch
 
 from .errors import EngineShutdownError, RequestAbortedError
 from .model_runner import ForwardInput, ModelRunner
-from .radix_cache import RadixCache
+from .radix_cache import RadixCache, common_prefix_len
 from .request import Req
 from .sampling import SamplerRow, sample, token_logprobs
 
@@ -29,17 +29,9 @@ logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 DECODE_RESERVE_TOKENS = 16  # per running request, kept free when admitting new prompts
-IN_BATCH_PREFIX_TOKENS = 32  # a waiting request sharing this many uncached tokens with one being
+IN_BATCH_PREFIX_TOKENS = 8  # a waiting request sharing this many uncached tokens with one being
 # prefilled now waits one step, so it reuses that prefix instead of computing it again (SGLang's
 # in-batch prefix caching check)
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
@@ -263,7 +255,7 @@ class Scheduler:
         if not prefilling:
             return False
         ids = req.fill_ids[:req.max_prefix_len]
-        return any(_common_prefix_len(ids, other) - req.cached_len >= IN_BATCH_PREFIX_TOKENS for other in prefilling)
+        return any(common_prefix_len(ids, other) - req.cached_len >= IN_BATCH_PREFIX_TOKENS for other in prefilling)
 
     def _order_waiting(self) -> None:
         if self.policy == "fcfs" or len(self.waiting) <= 1:

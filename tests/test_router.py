@@ -12,19 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radix_backend.errors import InvalidRequestError
+from radix_backend.radix_cache import common_prefix_len
 from radix_backend.router import ApproxRadixTree, Router
 from radix_backend.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------- approximate tree
-
-
-def _lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @settings(max_examples=60, deadline=None)
@@ -34,7 +26,7 @@ def test_tree_match_is_longest_common_prefix(keys, query) -> None:
     tree = ApproxRadixTree()
     for k in keys:
         tree.insert(k)
-    assert tree.match(query) == max(_lcp(k, query) for k in keys)
+    assert tree.match(query) == max(common_prefix_len(k, query) for k in keys)
     # size counts each stored token once (shared prefixes are stored once)
     distinct = {tuple(k[:i]) for k in keys for i in range(1, len(k) + 1)}
     assert tree.size == len(distinct)

@@ -18,6 +18,7 @@ import pytest
 
 from radix_backend.engine import CacheStats
 from radix_backend.errors import ConstraintError, PromptTooLongError
+from radix_backend.radix_cache import common_prefix_len
 from radix_backend.outputs import ChoiceScore, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
 from radix_backend.sampling_params import SamplingParams
 from radix_backend.server import ServerThread, create_app
@@ -78,7 +79,7 @@ class FakeEngine:
         ids, answer, params = self._prepare(prompt, params, input_ids, messages)
         rid = self._next
         self._next += 1
-        cached = max((_common(ids, s) for s in self.seen), default=0)
+        cached = max((common_prefix_len(ids, s) for s in self.seen), default=0)
         self.seen.append(ids)
         self.prompt_tokens += len(ids)
         self.cached_tokens += cached
@@ -135,15 +136,6 @@ class FakeEngine:
             return False
         self.seen.clear()
         return True
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @pytest.fixture(scope="module")

@@ -146,11 +146,13 @@ def measure_floor(engine: Engine, prefill_tokens: int = 1024, context: int = 256
     return engine.scheduler.call(floor, timeout=600)  # type: ignore[return-value]
 
 
-def measure_engine_decode(engine: Engine, batch_sizes: tuple[int, ...] = (1, 8, 32), new_tokens: int = 32) -> dict[str, float]:
+def measure_engine_decode(engine: Engine, batch_sizes: tuple[int, ...] = (1, 8, 32), new_tokens: int = 32,
+                          context: int = 256) -> dict[str, float]:
     """End-to-end decode tokens/s through the engine (scheduling, sampling, detokenizing included)."""
     out: dict[str, float] = {}
     for b in batch_sizes:
-        prompts = [f"Write a story about the number {i}." for i in range(b)]
+        filler = " ".join(f"word{j}" for j in range(context // 3))  # about `context` tokens, as in the floor
+        prompts = [f"{i}: {filler}" for i in range(b)]
         engine.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0))  # prefill + warm cache
         t = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True))
