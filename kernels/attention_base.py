@@ -84,5 +84,5 @@ class AttentionBackend(ABC):
     @staticmethod
     def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
-        k_cache[meta.out_slots] = k.to(k_cache.dtype)
-        v_cache[meta.out_slots] = v.to(v_cache.dtype)
+        k_cache.index_copy_(0, meta.out_slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.out_slots, v.to(v_cache.dtype))

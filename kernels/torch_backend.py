@@ -45,8 +45,10 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(q, k_cache, v_cache, plan, scale) -> torch.Tensor:
         slots, mask = plan
         bsz, hq, dim = q.shape
-        keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache[slots].transpose(1, 2)
+        flat = slots.reshape(-1)  # index_select is ~3x faster than advanced indexing on CPU
+        shape = (*slots.shape, *k_cache.shape[1:])
+        keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.view(bsz, hq, 1, dim), keys, values, attn_mask=mask.to(q.dtype), scale=scale,
             enable_gqa=keys.shape[1] != hq)
@@ -60,8 +62,8 @@ class TorchAttentionBackend(AttentionBackend):
         for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
             slots = meta.kv_indices[kv[i]:kv[i + 1]]
             qi = q[qo[i]:qo[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
-            keys = k_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-            values = v_cache[slots].transpose(0, 1).unsqueeze(0)
+            keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+            values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
             seq = prefix + extend
             # Query j (position prefix + j) sees keys 0..prefix + j.
             mask = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
