@@ -44,11 +44,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    if args.name in EXTERNAL_BENCHES:
-        module = importlib.import_module(EXTERNAL_BENCHES[args.name])
-        result = module.main(rest)
-        return result if isinstance(result, int) else 0
+def run_external_bench(name: str, argv: list[str]) -> int:
+    result = importlib.import_module(EXTERNAL_BENCHES[name]).main(argv)
+    return result if isinstance(result, int) else 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import core_bench
 
     names = list(CORE_BENCHES) if args.name == "core" else [args.name]
@@ -94,17 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    if argv and argv[0] == "bench":
-        args, rest = parser.parse_known_args(argv)
-    else:
-        args, rest = parser.parse_args(argv), []
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in EXTERNAL_BENCHES:
+        return run_external_bench(argv[1], argv[2:])  # every flag (--help too) belongs to that bench
+    args = build_parser().parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "demo":
         return cmd_demo(args)
     if args.command == "bench":
-        return cmd_bench(args, rest)
+        return cmd_bench(args)
     from .server import run_serve
     run_serve(args)
     return 0
