@@ -1,0 +1,197 @@
+"""The SGLang-native route: POST /generate (text or input_ids, batched, n samples, logprobs, streaming).
+
+Part of `radix_backend.server`, which registers it with `add_native_routes`; SGLang's info
+endpoints (/get_model_info, /get_server_info, /flush_cache) are served there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from .errors import InvalidRequestError
+from .metrics import RequestTracker
+from .outputs import GenerateOutput
+from .sampling_params import SamplingParams
+from .server_common import (_chunk_as_output, _iterate, _Job, _open_streams, _run_jobs, _Server, _sse,
+                            _sse_response)
+from .server_protocol import GenerateReqInput, sglang_finish_reason
+
+# SGLang sampling_params keys that change nothing here (formatting / scheduling hints).
+_SGLANG_IGNORED_KEYS = {"spaces_between_special_tokens", "no_stop_trim", "stream_interval", "custom_params",
+                        "logit_bias"}
+_SGLANG_RENAMED_KEYS = {"ebnf": "grammar", "sampling_seed": "seed"}
+
+
+def add_native_routes(app: FastAPI, state: _Server) -> None:
+    """Register SGLang's /generate on `app`, served from `state`."""
+    engine = state.engine
+
+    @app.post("/generate")
+    async def generate(request: Request, req: GenerateReqInput) -> Any:
+        jobs, specs = _sglang_jobs(req)
+        tracker = state.metrics.track("/generate")
+        if req.stream:
+            return await _stream_sglang(state, jobs, specs, tracker)
+        outs = await _run_jobs(request, engine, jobs, tracker)
+        results = [await _sglang_result(state, job, spec, out, req.return_text_in_logprobs)
+                   for job, spec, out in zip(jobs, specs, outs)]
+        return results if (req.is_batch or len(results) > 1) else results[0]
+
+
+# ============================================================================ request -> jobs
+
+
+def _sglang_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, int]:
+    """SGLang's sampling_params dict -> (SamplingParams, n)."""
+    raw = dict(raw or {})
+    n = raw.pop("n", 1)
+    kwargs: dict[str, Any] = {}
+    unknown = []
+    fields = SamplingParams.__dataclass_fields__
+    for key, value in raw.items():
+        key = _SGLANG_RENAMED_KEYS.get(key, key)
+        if key in _SGLANG_IGNORED_KEYS or value is None:
+            continue
+        if key == "min_new_tokens":
+            if value:
+                raise InvalidRequestError("sampling_params.min_new_tokens is not supported; remove it")
+            continue
+        if key not in fields:
+            unknown.append(key)
+            continue
+        kwargs[key] = value
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling_params keys {sorted(unknown)}; supported: {sorted(fields)}")
+    if not isinstance(n, int) or n < 1:
+        raise InvalidRequestError(f"sampling_params.n must be an int >= 1, got {n!r}")
+    try:
+        params = SamplingParams(**kwargs)
+    except TypeError as exc:
+        raise InvalidRequestError(f"bad sampling_params: {exc}") from exc
+    params.validate()
+    return params, n
+
+
+@dataclass
+class _LogprobSpec:
+    """Per-request logprob options of a /generate call."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    index: int = 0
+
+
+def _sglang_jobs(req: GenerateReqInput) -> tuple[list[_Job], list[_LogprobSpec]]:
+    if (req.text is None) == (req.input_ids is None):
+        raise InvalidRequestError("set exactly one of text or input_ids")
+    if req.text is not None:
+        prompts = req.text if isinstance(req.text, list) else [req.text]
+        inputs_list = [{"prompt": t} for t in prompts]
+    else:
+        ids = req.input_ids if req.is_batch else [req.input_ids]
+        if not ids or not all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in ids):
+            raise InvalidRequestError("input_ids must be a non-empty list of token ids or a list of such lists")
+        inputs_list = [{"input_ids": list(x)} for x in ids]
+    size = len(inputs_list)
+    if size == 0:
+        raise InvalidRequestError("text must not be an empty list")
+    for name in ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num"):
+        value = getattr(req, name)
+        if isinstance(value, list) and len(value) != size:
+            raise InvalidRequestError(f"{name} has {len(value)} entries but the batch has {size} prompts")
+    jobs, specs = [], []
+    for i, inputs in enumerate(inputs_list):
+        params, n = _sglang_params(req.item("sampling_params", i))
+        want = bool(req.item("return_logprob", i))
+        top = int(req.item("top_logprobs_num", i) or 0)
+        if want:
+            params = params.copy(logprobs=True, top_logprobs=top)
+            params.validate()
+        rid = req.item("rid", i)
+        for j in range(n):
+            job = _Job(inputs=inputs, params=params, group=i)
+            if rid is not None:
+                job.rid = str(rid) if n == 1 else f"{rid}-{j}"
+            jobs.append(job)
+            specs.append(_LogprobSpec(want, int(req.item("logprob_start_len", i)), top, len(specs)))
+    return jobs, specs
+
+
+# ============================================================================ results
+
+
+def _lp_entry(logprob: float | None, token_id: int, state: _Server, with_text: bool) -> list[Any]:
+    return [logprob, token_id, state.tok(token_id) if with_text else None]
+
+
+async def _input_logprobs(state: _Server, job: _Job, start: int, with_text: bool) -> list[list[Any]]:
+    """SGLang's input_token_logprobs from `start`: [logprob, id, text]; the first prompt token has None."""
+    ids = job.inputs.get("input_ids") or state.engine.encode(job.inputs["prompt"])
+    start = max(0, start)
+    if start >= len(ids):
+        return []
+    entries: list[list[Any]] = []
+    if start == 0:
+        entries.append(_lp_entry(None, ids[0], state, with_text))
+        start = 1
+    if start < len(ids):
+        scores = await asyncio.to_thread(state.engine.score, list(ids[:start]), [list(ids[start:])])
+        entries += [_lp_entry(lp, t, state, with_text) for lp, t in zip(scores[0].token_logprobs, ids[start:])]
+    return entries
+
+
+async def _sglang_result(state: _Server, job: _Job, spec: _LogprobSpec, out: GenerateOutput,
+                         with_text: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": job.rid,
+        "finish_reason": sglang_finish_reason(out.finish_reason, out.meta.matched_stop, out.meta.completion_tokens),
+        "prompt_tokens": out.meta.prompt_tokens,
+        "completion_tokens": out.meta.completion_tokens or len(out.token_ids),
+        "cached_tokens": out.meta.cached_tokens,
+        "e2e_latency": out.meta.total_time_s,
+    }
+    if spec.return_logprob:
+        lps = out.logprobs or []
+        meta["output_token_logprobs"] = [_lp_entry(lp.logprob, lp.token_id, state, with_text) for lp in lps]
+        meta["output_top_logprobs"] = [[_lp_entry(v, t, state, with_text) for t, v in lp.top] if spec.top_logprobs_num
+                                       else None for lp in lps]
+        if spec.logprob_start_len >= 0:
+            inp = await _input_logprobs(state, job, spec.logprob_start_len, with_text)
+            meta["input_token_logprobs"] = inp
+            meta["input_top_logprobs"] = [None] * len(inp)
+            known = [e[0] for e in inp if e[0] is not None]
+            meta["normalized_prompt_logprob"] = sum(known) / max(1, len(known))
+    return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta, "index": spec.index}
+
+
+async def _stream_sglang(state: _Server, jobs: list[_Job], specs: list[_LogprobSpec],
+                         tracker: RequestTracker) -> StreamingResponse:
+    """SGLang streams cumulative text (`data: {"text": <all so far>, "meta_info": ...}`), then [DONE]."""
+    streams, first = await _open_streams(state, jobs)
+    finals: list[GenerateOutput | None] = [None] * len(jobs)
+
+    async def events() -> AsyncGenerator[str, None]:
+        texts = [""] * len(jobs)
+        ids: list[list[int]] = [[] for _ in jobs]
+        async for i, chunk in _iterate(streams, first):
+            tracker.tokens(len(chunk.token_ids))
+            texts[i] += chunk.text
+            ids[i] += chunk.token_ids
+            meta = chunk.meta
+            finish = None
+            if chunk.finish_reason is not None:
+                finals[i] = _chunk_as_output(chunk, texts[i], ids[i])
+                finish = sglang_finish_reason(chunk.finish_reason, meta.matched_stop if meta else None, len(ids[i]))
+            info = {"id": jobs[i].rid, "finish_reason": finish,
+                    "prompt_tokens": meta.prompt_tokens if meta else None,
+                    "completion_tokens": len(ids[i]), "cached_tokens": meta.cached_tokens if meta else None}
+            yield _sse({"text": texts[i], "output_ids": ids[i], "meta_info": info, "index": specs[i].index})
+
+    return _sse_response(events(), streams, tracker, finals, jobs)

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible routes: POST /v1/completions and /v1/chat/completions (streaming or not).
+
+Part of `radix_backend.server`, which registers them with `add_openai_routes`; /v1/models is
+served there with the other model-info endpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from .errors import InvalidRequestError
+from .metrics import RequestTracker
+from .outputs import GenerateOutput, TokenLogprob
+from .sampling_params import SamplingParams
+from .server_common import (_chunk_as_output, _iterate, _Job, _open_streams, _run_jobs, _Server, _sse, _sse_response,
+                            _TokenText, _usage)
+from .server_protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
+                              ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChoiceLogprobs,
+                              CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                              CompletionStreamResponse, DeltaMessage, TokenLogprobOut, TopLogprob, new_id)
+
+
+def add_openai_routes(app: FastAPI, state: _Server) -> None:
+    """Register /v1/completions and /v1/chat/completions on `app`, served from `state`."""
+    engine = state.engine
+
+    # ------------------------------------------------------------------ completions
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, req: CompletionRequest) -> Any:
+        model = state.check_model(req.model)
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported")
+        if req.best_of not in (None, req.n):
+            raise InvalidRequestError("best_of must equal n (or be omitted)")
+        if req.echo and req.logprobs is not None:
+            raise InvalidRequestError("echo together with logprobs is not supported")
+        inputs_list = state.completion_inputs(req.prompt)
+        want_lp = req.logprobs is not None
+        params_list = [_openai_params(req, state.max_new_tokens(req.max_tokens, inp), logprobs=want_lp,
+                                      top_logprobs=req.logprobs or 0) for inp in inputs_list]
+        jobs = state.expand(inputs_list, params_list, req.n)
+        echo = [_echo_text(engine, j.inputs) if req.echo else "" for j in jobs]
+        tracker = state.metrics.track("/v1/completions")
+        if req.stream:
+            return await _stream_completion(state, jobs, model, req, echo, tracker)
+        outs = await _run_jobs(request, engine, jobs, tracker)
+        choices = [CompletionChoice(index=i, text=echo[i] + out.text, finish_reason=_openai_finish(out.finish_reason),
+                                    matched_stop=out.meta.matched_stop,
+                                    logprobs=_completion_logprobs(out.logprobs, state.tok) if want_lp else None)
+                   for i, out in enumerate(outs)]
+        return CompletionResponse(model=model, choices=choices, usage=_usage(outs, [j.group for j in jobs]))
+
+    # ------------------------------------------------------------------ chat
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, req: ChatCompletionRequest) -> Any:
+        model = state.check_model(req.model)
+        if req.tools:
+            raise InvalidRequestError("tools are not supported by this server")
+        inputs = {"messages": state.chat_messages(req)}
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs=true")
+        params = _openai_params(req, state.max_new_tokens(requested, inputs), logprobs=req.logprobs, top_logprobs=top)
+        jobs = state.expand([inputs], [params], req.n)
+        tracker = state.metrics.track("/v1/chat/completions")
+        if req.stream:
+            return await _stream_chat(state, jobs, model, req, tracker)
+        outs = await _run_jobs(request, engine, jobs, tracker)
+        choices = [ChatCompletionChoice(index=i, message=ChatMessage(content=out.text),
+                                        finish_reason=_openai_finish(out.finish_reason),
+                                        matched_stop=out.meta.matched_stop,
+                                        logprobs=_chat_logprobs(out.logprobs, state.tok) if req.logprobs else None)
+                   for i, out in enumerate(outs)]
+        return ChatCompletionResponse(model=model, choices=choices, usage=_usage(outs, [j.group for j in jobs]))
+
+
+# ============================================================================ request -> SamplingParams
+
+
+def _response_format_schema(req: ChatCompletionRequest | CompletionRequest) -> Any:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    spec = fmt.json_schema or {}
+    schema = spec.get("schema", spec.get("schema_"))
+    if schema is None:
+        raise InvalidRequestError('response_format.json_schema.schema is required when type is "json_schema"')
+    return schema
+
+
+def _openai_params(req: ChatCompletionRequest | CompletionRequest, max_new_tokens: int, *, logprobs: bool,
+                   top_logprobs: int) -> SamplingParams:
+    schema = _response_format_schema(req)
+    if schema is not None and req.json_schema is not None:
+        raise InvalidRequestError("set either response_format or json_schema, not both")
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k, min_p=req.min_p, frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        seed=req.seed, logprobs=logprobs, top_logprobs=top_logprobs, regex=req.regex,
+        json_schema=schema if schema is not None else req.json_schema, grammar=req.ebnf,
+    )
+    params.validate()
+    return params
+
+
+# ============================================================================ output formatting
+
+
+def _openai_finish(reason: str | None) -> str | None:
+    return None if reason is None else ("stop" if reason == "abort" else reason)
+
+
+def _echo_text(engine: Any, inputs: dict[str, Any]) -> str:
+    if "prompt" in inputs:
+        return inputs["prompt"]
+    return engine.decode(inputs["input_ids"], skip_special_tokens=False)
+
+
+def _completion_logprobs(lps: list[TokenLogprob] | None, tok: _TokenText, offset: int = 0) -> CompletionLogprobs | None:
+    if lps is None:
+        return None
+    out = CompletionLogprobs()
+    for lp in lps:
+        text = tok(lp.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({tok(t): v for t, v in lp.top} if lp.top else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(lps: list[TokenLogprob] | None, tok: _TokenText) -> ChoiceLogprobs | None:
+    if lps is None:
+        return None
+    content = []
+    for lp in lps:
+        text = tok(lp.token_id)
+        top = [TopLogprob(token=tok(t), logprob=v, bytes=list(tok(t).encode())) for t, v in lp.top]
+        content.append(TokenLogprobOut(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+    return ChoiceLogprobs(content=content)
+
+
+# ============================================================================ streaming
+
+
+async def _stream_completion(state: _Server, jobs: list[_Job], model: str, req: CompletionRequest, echo: list[str],
+                             tracker: RequestTracker) -> StreamingResponse:
+    streams, first = await _open_streams(state, jobs)
+    rid, created = new_id("cmpl"), int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    finals: list[GenerateOutput | None] = [None] * len(jobs)
+
+    async def events() -> AsyncGenerator[str, None]:
+        texts = [""] * len(jobs)
+        ids: list[list[int]] = [[] for _ in jobs]
+        offsets = [len(e) for e in echo]
+        for i, e in enumerate(echo):
+            if e:
+                yield _sse(CompletionStreamResponse(id=rid, created=created, model=model,
+                                                    choices=[CompletionChoice(index=i, text=e)]))
+        async for i, chunk in _iterate(streams, first):
+            tracker.tokens(len(chunk.token_ids))
+            texts[i] += chunk.text
+            ids[i] += chunk.token_ids
+            lps = _completion_logprobs(getattr(chunk, "logprobs", None), state.tok, offsets[i]) \
+                if req.logprobs is not None else None
+            offsets[i] += len(chunk.text)
+            if chunk.finish_reason is not None:
+                finals[i] = _chunk_as_output(chunk, texts[i], ids[i])
+            if chunk.text or chunk.finish_reason is not None:
+                choice = CompletionChoice(index=i, text=chunk.text, logprobs=lps,
+                                          finish_reason=_openai_finish(chunk.finish_reason))
+                yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+        if include_usage:
+            yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                usage=_usage(finals, [j.group for j in jobs])))
+
+    return _sse_response(events(), streams, tracker, finals, jobs)
+
+
+async def _stream_chat(state: _Server, jobs: list[_Job], model: str, req: ChatCompletionRequest,
+                       tracker: RequestTracker) -> StreamingResponse:
+    streams, first = await _open_streams(state, jobs)
+    rid, created = new_id("chatcmpl"), int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def event(i: int, delta: DeltaMessage, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
+        choice = ChatCompletionStreamChoice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)
+        return _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+
+    finals: list[GenerateOutput | None] = [None] * len(jobs)
+
+    async def events() -> AsyncGenerator[str, None]:
+        texts = [""] * len(jobs)
+        ids: list[list[int]] = [[] for _ in jobs]
+        for i in range(len(jobs)):
+            yield event(i, DeltaMessage(role="assistant", content=""))
+        async for i, chunk in _iterate(streams, first):
+            tracker.tokens(len(chunk.token_ids))
+            texts[i] += chunk.text
+            ids[i] += chunk.token_ids
+            if chunk.text:
+                lps = _chat_logprobs(getattr(chunk, "logprobs", None), state.tok) if req.logprobs else None
+                yield event(i, DeltaMessage(content=chunk.text), logprobs=lps)
+            if chunk.finish_reason is not None:
+                finals[i] = _chunk_as_output(chunk, texts[i], ids[i])
+                yield event(i, DeltaMessage(), finish=_openai_finish(chunk.finish_reason))
+        if include_usage:
+            yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                    usage=_usage(finals, [j.group for j in jobs])))
+
+    return _sse_response(events(), streams, tracker, finals, jobs)
