@@ -320,6 +320,15 @@ class RadixChatModel(_EngineFields, BaseChatModel):
             results.append(LLMResult(generations=[[gen]], llm_output=result.llm_output))
         return messages, results
 
+    def _batch_inputs(self, inputs: list[LanguageModelInput], kwargs: dict[str, Any]) -> tuple[Any, list, Any, Any]:
+        """What batch and abatch share: stop, message lists, invocation and tracing params."""
+        stop = kwargs.pop("stop", None)
+        for key in _IGNORED_KWARGS:
+            kwargs.pop(key, None)
+        message_lists = [self._convert_input(x).to_messages() for x in inputs]
+        params, ls_params = self._start_kwargs(stop, kwargs)
+        return stop, message_lists, params, ls_params
+
     def batch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig] | None = None,
               *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
         """All inputs go to the engine as one `generate` call (one scheduler batch sharing prefix KV)."""
@@ -328,11 +337,7 @@ class RadixChatModel(_EngineFields, BaseChatModel):
         configs = get_config_list(config, len(inputs))
         if not self._batchable(configs, kwargs, async_api=False):
             return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        stop = kwargs.pop("stop", None)
-        for key in _IGNORED_KWARGS:
-            kwargs.pop(key, None)
-        message_lists = [self._convert_input(x).to_messages() for x in inputs]
-        params, ls_params = self._start_kwargs(stop, kwargs)
+        stop, message_lists, params, ls_params = self._batch_inputs(inputs, kwargs)
         run_managers = []
         for msgs, cfg in zip(message_lists, configs):
             manager = CallbackManager.configure(cfg.get("callbacks"), self.callbacks, self.verbose, cfg.get("tags"),
@@ -363,11 +368,7 @@ class RadixChatModel(_EngineFields, BaseChatModel):
         configs = get_config_list(config, len(inputs))
         if not self._batchable(configs, kwargs, async_api=True):
             return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        stop = kwargs.pop("stop", None)
-        for key in _IGNORED_KWARGS:
-            kwargs.pop(key, None)
-        message_lists = [self._convert_input(x).to_messages() for x in inputs]
-        params, ls_params = self._start_kwargs(stop, kwargs)
+        stop, message_lists, params, ls_params = self._batch_inputs(inputs, kwargs)
         run_managers = []
         for msgs, cfg in zip(message_lists, configs):
             manager = AsyncCallbackManager.configure(cfg.get("callbacks"), self.callbacks, self.verbose,

@@ -49,6 +49,7 @@ class _Batch:
     reqs: list[Req] = field(default_factory=list)
     new_slots: list[torch.Tensor] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # logits rows each request gets from the forward
 
     def add(self, req: Req, slots: torch.Tensor, n: int) -> None:
         self.reqs.append(req)
@@ -354,7 +355,6 @@ class Scheduler:
         positions: list[int] = []
         kv_parts: list[torch.Tensor] = []
         logits_indices: list[int] = []
-        batch.logit_rows = []  # type: ignore[attr-defined]
         offset = 0
         for req, slots, n in zip(batch.reqs, batch.new_slots, batch.extend_lens):
             start = req.kv_len
@@ -363,7 +363,7 @@ class Scheduler:
             kv_parts.append(req.slots[:start])
             kv_parts.append(slots)
             rows = self._logit_positions(req, start, n)
-            batch.logit_rows.append(len(rows))  # type: ignore[attr-defined]
+            batch.logit_rows.append(len(rows))
             logits_indices.extend(offset + (p - start) for p in rows)
             offset += n
         return ForwardInput(input_ids=input_ids, positions=positions, prefix_lens=[r.kv_len for r in batch.reqs],
@@ -385,7 +385,7 @@ class Scheduler:
     def _process_results(self, batch: _Batch, logits: torch.Tensor) -> None:
         to_sample: list[tuple[Req, int]] = []
         row = 0
-        for req, slots, n, count in zip(batch.reqs, batch.new_slots, batch.extend_lens, batch.logit_rows):  # type: ignore[attr-defined]
+        for req, slots, n, count in zip(batch.reqs, batch.new_slots, batch.extend_lens, batch.logit_rows):
             start = req.kv_len
             req.slots = torch.cat([req.slots, slots])
             req.kv_len += n
