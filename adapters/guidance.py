@@ -24,6 +24,7 @@ from guidance.models._engine import Engine as GuidanceEngine  # noqa: E402
 from guidance.models._engine import EngineInterpreter, LogitsOutput  # noqa: E402
 from guidance.models._transformers import TransformersTokenizer  # noqa: E402
 
+from radix_backend.radix_cache import common_prefix_len  # noqa: E402
 from radix_backend.errors import InvalidRequestError, PromptTooLongError  # noqa: E402
 
 __all__ = ["RadixGuidance", "RadixGuidanceEngine"]
@@ -89,11 +90,7 @@ class RadixGuidanceEngine(GuidanceEngine):
         last_ids, last_logits = self._last
         if last_logits is not None and token_ids == last_ids:
             return {"logits": last_logits, "n_tokens": len(token_ids), "n_cached": len(token_ids)}
-        shared = 0
-        for a, b in zip(token_ids, last_ids):
-            if a != b:
-                break
-            shared += 1
+        shared = common_prefix_len(token_ids, last_ids) if last_ids else 0
         logits = self.engine.next_token_logits(list(token_ids))
         row = logits.detach().float().cpu().numpy().reshape(-1)[: self._vocab_size][None, :]
         self._last = (list(token_ids), row)
