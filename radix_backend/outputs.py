@@ -52,6 +52,7 @@ class StreamChunk:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     meta: RequestMeta | None = None
+    logprobs: list[TokenLogprob] | None = None  # of this chunk's tokens, when SamplingParams.logprobs
 
 
 @dataclass

@@ -227,10 +227,11 @@ class Req:
         tokens = self.output_ids[self.sent_token_len:]
         if not delta and not self.finished:
             return None
+        logprobs = self.output_logprobs[self.sent_token_len:] if self.params.logprobs else None
         self.sent_text_len = end
         self.sent_token_len = len(self.output_ids)
         return StreamChunk(text=delta, token_ids=tokens, finish_reason=self.finish_reason,
-                           meta=self.meta if self.finished else None)
+                           meta=self.meta if self.finished else None, logprobs=logprobs)
 
     def build_output(self) -> GenerateOutput:
         self.meta.prompt_tokens = len(self.prompt_ids)

@@ -214,12 +214,13 @@ async def _stream_chat(state: _Server, jobs: list[_Job], model: str, req: ChatCo
             tracker.tokens(len(chunk.token_ids))
             texts[i] += chunk.text
             ids[i] += chunk.token_ids
+            lps = _chat_logprobs(chunk.logprobs, state.tok) if req.logprobs else None
             if chunk.text:
-                lps = _chat_logprobs(getattr(chunk, "logprobs", None), state.tok) if req.logprobs else None
                 yield event(i, DeltaMessage(content=chunk.text), logprobs=lps)
-            if chunk.finish_reason is not None:
+                lps = None
+            if chunk.finish_reason is not None:  # a textless last token (EOS) keeps its logprob, as unstreamed
                 finals[i] = _chunk_as_output(chunk, texts[i], ids[i])
-                yield event(i, DeltaMessage(), finish=_openai_finish(chunk.finish_reason))
+                yield event(i, DeltaMessage(), finish=_openai_finish(chunk.finish_reason), logprobs=lps)
         if include_usage:
             yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
                                                     usage=_usage(finals, [j.group for j in jobs])))

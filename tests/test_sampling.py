@@ -99,3 +99,12 @@ def test_penalties_through_the_engine(engine):
                                                                  repetition_penalty=5.0, frequency_penalty=2.0))
     assert len(set(penalized.token_ids)) >= len(set(plain.token_ids))
     assert penalized.token_ids != plain.token_ids or len(set(plain.token_ids)) == 12
+
+
+def test_stream_chunks_carry_logprobs(engine):
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    full = engine.generate("Kappa", params)
+    chunks = list(engine.stream("Kappa", params))
+    streamed = [lp for c in chunks for lp in (c.logprobs or [])]
+    assert [lp.token_id for lp in streamed] == full.token_ids
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in full.logprobs])

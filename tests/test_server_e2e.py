@@ -73,6 +73,18 @@ def test_sync_chat_completion_streaming_match_engine(engine, client, model) -> N
     assert len(r.choices[0].logprobs.token_logprobs) == len(direct.token_ids)
 
 
+def test_streamed_chat_logprobs_match_engine(engine, client, model) -> None:
+    direct = engine.generate(messages=QUESTION, params=SamplingParams(max_new_tokens=12, temperature=0, logprobs=True))
+    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0, stream=True,
+                                            logprobs=True, top_logprobs=1)
+    streamed = [lp.logprob for c in stream if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([lp.logprob for lp in direct.logprobs], abs=1e-4)  # EOS included, as unstreamed
+    unstreamed = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0,
+                                                logprobs=True)
+    assert len(unstreamed.choices[0].logprobs.content) == len(streamed)
+
+
 def test_async_client_32_concurrent_match_engine(engine, server, model) -> None:
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(32)]
     params = SamplingParams(max_new_tokens=6, temperature=0)
