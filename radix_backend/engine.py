@@ -152,9 +152,9 @@ class Engine:
 
     def _make_req(self, prompt_ids: list[int], params: SamplingParams | None, stream: bool,
                   input_logprob_start: int | None = None) -> Req:
-        params = (params or SamplingParams()).copy() if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
+        if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = params.copy() if params is not None else SamplingParams()  # the scheduler may not see caller edits
         params.validate()
         if len(prompt_ids) >= self.context_length:
             raise PromptTooLongError(

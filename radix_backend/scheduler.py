@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .errors import EngineShutdownError, RequestAbortedError
+from .errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
 from .model_runner import ForwardInput, ModelRunner
 from .radix_cache import RadixCache, common_prefix_len
 from .request import Req
@@ -280,7 +280,6 @@ class Scheduler:
         if self._available() < min(head.pending_tokens, self.prefill_budget):
             self.waiting.popleft()
             self._release_match(head)
-            from .errors import KVCacheTooSmallError
             self._finish(head, error=KVCacheTooSmallError(
                 f"request {head.rid} needs {head.pending_tokens} KV slots but only {self._available()} can be freed; "
                 "raise kv_cache_tokens"))

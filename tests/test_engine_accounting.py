@@ -135,3 +135,8 @@ def test_disabled_radix_cache_with_chunked_prefill(tiny_llama_dir, engine):
         assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == expected
         stats = eng.cache_stats()
         assert stats.cached_tokens == 0 and stats.slots_free == stats.slots_total
+
+
+def test_params_of_the_wrong_type_is_a_typed_error(engine):
+    with pytest.raises(InvalidRequestError, match="SamplingParams"):
+        engine.generate("hi", {"max_new_tokens": 4})

@@ -54,13 +54,9 @@ def _rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tens
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rope = LlamaRotaryEmbedding(config=config)
-    inv_freq = rope.inv_freq.float()
-    if inv_freq.numel() * 2 != head_dim:
-        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {inv_freq.numel() * 2}, head_dim {head_dim})")
-    t = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)
-    scale = float(rope.attention_scaling)
-    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1)
+    if rope.inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {rope.inv_freq.numel() * 2}, head_dim {head_dim})")
+    return ops.build_cos_sin_cache(rope.inv_freq, max_positions, float(rope.attention_scaling))
 
 
 class RMSNorm(nn.Module):
@@ -267,9 +263,9 @@ def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torc
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
     model = model.to_empty(device=device)
-    model.cos_sin_cache = _rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
-                                              config.max_position_embeddings).to(device)
     model.load_weights(weights)
     model = model.to(dtype)
-    model.cos_sin_cache = model.cos_sin_cache.float()
+    # after the dtype cast, so the table stays fp32 (a bf16 round trip would lose precision)
+    model.cos_sin_cache = _rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
+                                              config.max_position_embeddings).to(device)
     return model.eval()
