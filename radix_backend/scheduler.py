@@ -80,7 +80,6 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._budget = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards calls that touch the tree from other threads
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="radix-scheduler", daemon=True)
         self._thread.start()
