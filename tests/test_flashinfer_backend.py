@@ -4,6 +4,9 @@ FlashInfer needs CUDA, so on CPU the backend runs against a small torch stand-in
 FlashInfer's documented semantics (NHD paged KV, last_page_len, bottom-right aligned causal mask,
 cascade levels merged by log-sum-exp). That checks everything this project computes: the page
 tables it derives from the radix slot lists, the shared-prefix split and the plan arguments.
+The stand-in's constructors and plan() methods take exactly the parameter names of
+flashinfer-python 0.7.4 (checked against its source) and no catch-all, so a misspelled or
+removed argument fails here rather than on the first GPU run.
 """
 
 from __future__ import annotations
@@ -26,12 +29,18 @@ HAS_CUDA = torch.cuda.is_available()
 # ----------------------------------------------------------------------------- FlashInfer stand-in
 
 class _FakePrefill:
-    def __init__(self, workspace, layout="NHD", **_):
-        assert layout == "NHD"
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False):
+        assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
         self.plan_args = None
 
-    def plan(self, qo_indptr, indptr, indices, last_page_len, hq, hkv, dim, page_size, causal=False,
-             sm_scale=None, q_data_type=None, kv_data_type=None, **_):
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
+             causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+             logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+             o_data_type=None, non_blocking=True):
+        qo_indptr, indptr, indices, last_page_len = qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len
+        hq, hkv, dim = num_qo_heads, num_kv_heads, head_dim_qk
+        assert isinstance(q_data_type, torch.dtype) and isinstance(kv_data_type, torch.dtype)
         for t in (qo_indptr, indptr, indices, last_page_len):
             assert t.dtype == torch.int32
         assert ((last_page_len >= 1) & (last_page_len <= page_size)).all()
@@ -63,25 +72,34 @@ class _FakePrefill:
 
 
 class _FakeDecode(_FakePrefill):
-    def __init__(self, workspace, layout="NHD", use_tensor_cores=False, **_):
-        super().__init__(workspace, layout)
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
         self.use_tensor_cores = use_tensor_cores
 
-    def plan(self, indptr, indices, last_page_len, hq, hkv, dim, page_size, **kw):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+             pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, o_data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+             non_blocking=True):
         qo = torch.arange(indptr.shape[0], dtype=torch.int32)
-        super().plan(qo, indptr, indices, last_page_len, hq, hkv, dim, page_size, causal=False, **kw)
+        super().plan(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                     causal=False, sm_scale=sm_scale, q_data_type=q_data_type, kv_data_type=kv_data_type)
 
 
 class _FakeCascade:
-    def __init__(self, num_levels, workspace, layout="NHD", **_):
-        self.levels = [_FakePrefill(workspace, layout) for _ in range(num_levels)]
+    def __init__(self, num_levels, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False):
+        self.levels = [_FakePrefill(float_workspace_buffer, kv_layout) for _ in range(num_levels)]
         self.planned_with = None
 
-    def plan(self, qo_arr, indptr_arr, indices_arr, last_arr, hq, hkv, dim, ps, causal=False, **kw):
-        self.planned_with = [t.tolist() for t in qo_arr]
+    def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len, num_qo_heads,
+             num_kv_heads, head_dim, page_size, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
+             sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+             q_data_type="float16", kv_data_type=None):
+        self.planned_with = [t.tolist() for t in qo_indptr_arr]
         for i, lvl in enumerate(self.levels):
-            lvl.plan(qo_arr[i], indptr_arr[i], indices_arr[i], last_arr[i], hq, hkv, dim, ps,
-                     causal=causal if i == len(self.levels) - 1 else False, **kw)
+            lvl.plan(qo_indptr_arr[i], paged_kv_indptr_arr[i], paged_kv_indices_arr[i], paged_kv_last_page_len[i],
+                     num_qo_heads, num_kv_heads, head_dim, page_size,
+                     causal=causal if i == len(self.levels) - 1 else False, sm_scale=sm_scale,
+                     q_data_type=q_data_type, kv_data_type=kv_data_type)
 
     def run(self, q, paged_kv):
         out, lse = self.levels[-1].run(q, paged_kv, return_lse=True)
