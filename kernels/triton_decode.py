@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_dot import dot_config
+
 _LOG2E = 1.4426950408889634
 
 
@@ -29,7 +31,7 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
                    MIN_SPLIT_LEN, HEADS_PER_PROG: tl.constexpr, PROGS_PER_KV: tl.constexpr,
                    NUM_KV_SPLITS: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1) // PROGS_PER_KV
     sub = tl.program_id(1) % PROGS_PER_KV
@@ -50,6 +52,7 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
 
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
+    q_dot = q.to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -60,7 +63,7 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
         slots = tl.load(KV_INDICES + kv_start + offs_n, mask=nmask, other=0).to(tl.int64)
         k = tl.load(K_CACHE + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = tl.dot(q_dot, tl.trans(k.to(q.dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION) * sm_scale_log2
         qk = tl.where(hmask[:, None] & nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -68,7 +71,8 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
         p = tl.exp2(qk - m_safe[:, None])
         v = tl.load(V_CACHE + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(DOT_DTYPE), v.to(q.dtype).to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -145,14 +149,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if bsz == 0:
         return out
     block_d = triton.next_power_of_2(dim)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    dot = dot_config(q.dtype)
     _decode_stage1[(bsz, hkv * progs_per_kv, num_kv_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), hq, group, dim,
         min_split_len, HEADS_PER_PROG=heads_per_prog, PROGS_PER_KV=progs_per_kv, NUM_KV_SPLITS=num_kv_splits,
         BLOCK_H=block_h, BLOCK_N=block_n or (32 if block_d <= 128 else 16), BLOCK_D=block_d,
-        DOT_PRECISION=precision, num_warps=4, num_stages=num_stages)
+        DOT_DTYPE=dot.operand_dtype, DOT_PRECISION=dot.precision, num_warps=4, num_stages=num_stages)
     _decode_stage2[(bsz, hq)](
         mid_o, mid_lse, kv_indptr, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), dim, min_split_len,

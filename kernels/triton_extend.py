@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_dot import dot_config
+
 _LOG2E = 1.4426950408889634
 
 
@@ -25,7 +27,7 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
                    sm_scale_log2, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh, GROUP, HEAD_DIM,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     block_m = tl.program_id(2)
@@ -45,6 +47,7 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0)
+    q_dot = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -57,14 +60,15 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
         slots = tl.load(KV_INDICES + kv_start + offs_n, mask=nmask, other=0).to(tl.int64)
         k = tl.load(K_CACHE + slots[:, None] * stride_kct + kv_head * stride_kch + offs_d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = tl.dot(q_dot, tl.trans(k.to(q.dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION) * sm_scale_log2
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         v = tl.load(V_CACHE + slots[:, None] * stride_vct + kv_head * stride_vch + offs_d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(DOT_DTYPE), v.to(q.dtype).to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -76,7 +80,7 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
         krows = (q_start + offs_n).to(tl.int64)
         k = tl.load(K + krows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = tl.dot(q_dot, tl.trans(k.to(q.dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION) * sm_scale_log2
         causal = (offs_m[:, None] >= offs_n[None, :]) & nmask[None, :]
         qk = tl.where(causal, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -85,7 +89,8 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
         p = tl.exp2(qk - m_safe[:, None])
         v = tl.load(V + krows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(DOT_DTYPE), v.to(q.dtype).to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
@@ -135,6 +140,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if n_tokens == 0 or bsz == 0:
         return out
     cfg = config or extend_block_sizes(dim, q.dtype, q.is_cuda)
+    dot = dot_config(q.dtype)
     grid = (bsz, hq, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
         q, k, v, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out, scale * _LOG2E,
@@ -142,6 +148,6 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), hq // hkv, dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(dim),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+        DOT_DTYPE=dot.operand_dtype, DOT_PRECISION=dot.precision, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out

@@ -5,8 +5,9 @@ imported and must not leak into other test modules, so in a normal pytest run th
 kernel tests are skipped and one driver test re-runs this file in a subprocess with
 TRITON_INTERPRET=1. With CUDA present the same tests run compiled on the GPU instead.
 
-Known interpreter limit: its tl.dot reinterprets bf16 bits, so bf16 attention is only checked
-on CUDA (here under `gpu`) and by radix_backend.bench.gpu_check.
+The interpreter's tl.dot reinterprets bf16 bits, so under it the attention kernels widen bf16
+dot operands to fp32 (exact; see kernels/triton_dot.py) and bf16 attention is checked here too;
+`test_kernels_compile_for_hopper` compiles the real bf16 tensor-core path for sm_90.
 """
 
 from __future__ import annotations
@@ -67,15 +68,17 @@ def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
     """The interpreter does not check GPU constraints (dot shapes, layouts, shared memory): compile
     every kernel for sm_90 with the launch configs the wrappers use on H100/H200."""
     from radix_backend.kernels import triton_decode, triton_extend, triton_ops
+    from radix_backend.kernels.triton_dot import dot_config
     import torch as _torch
     p = f"*{dtype}"
     ptr_i64, ptr_f32 = "*i64", "*fp32"
-    prec = "ieee" if dtype == "fp32" else "tf32"
+    dot = dot_config(_torch.bfloat16 if dtype == "bf16" else _torch.float32, interpreter=False)
+    dots = dict(DOT_DTYPE=dot.operand_dtype, DOT_PRECISION=dot.precision)
     dec1 = _compile_for(triton_decode._decode_stage1,
                         dict(Q=p, K_CACHE=p, V_CACHE=p, KV_INDPTR=ptr_i64, KV_INDICES=ptr_i64, MID_O=ptr_f32,
                              MID_LSE=ptr_f32, sm_scale_log2="fp32"),
                         dict(HEADS_PER_PROG=4, PROGS_PER_KV=1, NUM_KV_SPLITS=8, BLOCK_H=16, BLOCK_N=32,
-                             BLOCK_D=dim, DOT_PRECISION=prec), 90, num_warps=4, num_stages=2)
+                             BLOCK_D=dim, **dots), 90, num_warps=4, num_stages=2)
     _compile_for(triton_decode._decode_stage2, dict(MID_O=ptr_f32, MID_LSE=ptr_f32, KV_INDPTR=ptr_i64, O=p),
                  dict(NUM_KV_SPLITS=8, BLOCK_D=dim), 90, num_warps=4)
     torch_dtype = _torch.bfloat16 if dtype == "bf16" else _torch.float32
@@ -83,7 +86,7 @@ def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
     ext = _compile_for(triton_extend._extend_kernel,
                        dict(Q=p, K=p, V=p, K_CACHE=p, V_CACHE=p, QO_INDPTR=ptr_i64, KV_INDPTR=ptr_i64,
                             KV_INDICES=ptr_i64, O=p, sm_scale_log2="fp32"),
-                       dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=dim, DOT_PRECISION=prec), 90,
+                       dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=dim, **dots), 90,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for kernel in (dec1, ext):
         assert kernel.metadata.shared <= 227 * 1024, "exceeds Hopper shared memory"
@@ -136,14 +139,13 @@ def tol(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
 
 
-ATTN_DTYPES = [torch.float32, torch.float16] + ([pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
-                                                if DEVICE == "cuda" else [])
+ATTN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 # ----------------------------------------------------------------------------- extend
 
 @kernel_test
-@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("dtype", ATTN_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])  # GQA ratios 1, 3, 4
 @pytest.mark.parametrize("dim", [64, 128])
 def test_extend_matches_torch(dtype, hq, hkv, dim) -> None:
@@ -175,7 +177,7 @@ def test_extend_kernel_direct_reads_new_kv_from_inputs() -> None:
 # ----------------------------------------------------------------------------- decode
 
 @kernel_test
-@pytest.mark.parametrize("dtype", ATTN_DTYPES)
+@pytest.mark.parametrize("dtype", ATTN_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 2)])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_decode_matches_torch(dtype, hq, hkv, dim) -> None:
@@ -219,10 +221,11 @@ def test_backend_reuses_plan_across_layers_and_replans_per_batch() -> None:
 
 
 @kernel_test
-def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch, dtype) -> None:
     """Whole engine on a tiny model: Triton attention (and then also the Triton fused ops) gives
     the torch path's greedy tokens, on cold prompts (extend from prefix 0, decode) and on
-    radix-cache hits (extend with prefix)."""
+    radix-cache hits (extend with prefix), in fp32 and in bf16 (weights and KV)."""
     from radix_backend import Engine, SamplingParams
     from radix_backend.kernels import ops
     prompts = ["The quick brown fox", "The quick brown fox jumps over", "Hello there"]
@@ -235,7 +238,7 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch) -
             calls = []
             real_rotary = triton_ops.apply_rotary
             monkeypatch.setattr(triton_ops, "apply_rotary", lambda *a: calls.append(1) or real_rotary(*a))
-        with Engine(str(tiny_llama_dir), device=DEVICE, dtype="float32", attention_backend=name.split("+")[0],
+        with Engine(str(tiny_llama_dir), device=DEVICE, dtype=dtype, attention_backend=name.split("+")[0],
                     kv_cache_tokens=1024) as engine:
             cold = engine.generate(prompts, params)
             warm = engine.generate(prompts, params)
@@ -250,6 +253,18 @@ def test_default_num_kv_splits_bounds() -> None:
     assert default_num_kv_splits(1, 1) == 16
     assert default_num_kv_splits(64, 8) == 1
     assert 1 <= default_num_kv_splits(8, 2, num_sms=132) <= 16
+
+
+def test_dot_config_widens_bf16_only_under_the_interpreter() -> None:
+    import triton.language as tl
+    from radix_backend.kernels.triton_dot import dot_config
+    assert dot_config(torch.bfloat16, interpreter=False).operand_dtype == tl.bfloat16
+    assert dot_config(torch.bfloat16, interpreter=True).operand_dtype == tl.float32
+    assert dot_config(torch.bfloat16, interpreter=True).precision == "ieee"
+    assert dot_config(torch.float16, interpreter=True).operand_dtype == tl.float16
+    assert dot_config(torch.float32, interpreter=False).precision == "ieee"
+    with pytest.raises(ValueError, match="bfloat16"):
+        dot_config(torch.int8)
 
 
 def test_mismatched_heads_raise() -> None:
