@@ -266,3 +266,15 @@ def test_real_flashinfer_matches_torch(page_size, extend) -> None:
         batch = paged_batch([64, 80, 100, 64], extend, page_size, hq=32, hkv=8, dim=128, shared=shared,
                             dtype=torch.float16, device="cuda")
         check_against_torch(backend, batch, atol=2e-3)
+
+
+def test_gpu_check_correctness_section_plans_every_path(fake_flashinfer) -> None:
+    """gpu_check's FlashInfer correctness checks (quick shapes) reach the decode, prefill and
+    cascade plans, and the stand-in agrees with the torch reference on all of them."""
+    from radix_backend.bench import gpu_check as gc
+    report = gc.Report()
+    gc.check_attention(report, "cpu", ["torch", "flashinfer"], quick=True)
+    checks = [c["check"] for c in report.correctness]
+    assert len(checks) == len(gc.correctness_shapes(quick=True)) + len(gc.cascade_cases(quick=True))
+    assert all(c["ok"] for c in report.correctness), report.correctness
+    assert {c[c.rindex("[") + 1:-1] for c in checks} == {"decode", "prefill", "cascade"}

@@ -255,6 +255,19 @@ def test_default_num_kv_splits_bounds() -> None:
     assert 1 <= default_num_kv_splits(8, 2, num_sms=132) <= 16
 
 
+@kernel_test
+def test_gpu_check_correctness_section_runs_on_these_kernels() -> None:
+    """gpu_check's correctness section (quick shapes) on the real Triton kernels, fp32 and bf16."""
+    from radix_backend.bench import gpu_check as gc
+    report = gc.Report()
+    gc.check_attention(report, DEVICE, ["torch", "triton"], quick=True)
+    gc.check_ops(report, DEVICE, quick=True)
+    cases = len(gc.correctness_shapes(quick=True)) + len(gc.cascade_cases(quick=True))
+    assert len(report.correctness) == 2 * cases + 2 * 4
+    assert all(c["ok"] for c in report.correctness), [c for c in report.correctness if not c["ok"]]
+    assert {c["dtype"] for c in report.correctness} == {"float32", "bfloat16"}
+
+
 def test_dot_config_widens_bf16_only_under_the_interpreter() -> None:
     import triton.language as tl
     from radix_backend.kernels.triton_dot import dot_config

@@ -63,8 +63,19 @@ def bench_shapes(quick: bool = False) -> list[AttnShape]:
     ]
 
 
-def correctness_shapes() -> list[AttnShape]:
-    """Small ragged cases: prefix 0, GQA 1/3/4, head dims 64/128, decode and extend."""
+def correctness_shapes(quick: bool = False) -> list[AttnShape]:
+    """Small ragged cases: prefix 0, GQA 1/3/4, head dims 64/128, decode and extend.
+
+    `quick` shrinks lengths and heads so the section also runs on CPU under TRITON_INTERPRET=1
+    (the tests run it that way)."""
+    if quick:
+        return [
+            AttnShape("decode mha d64", [0, 17, 70], [1] * 3, 2, 2, 64),
+            AttnShape("decode gqa4 d128", [5, 90], [1] * 2, 8, 2, 128),
+            AttnShape("decode gqa3 d64", [40, 3], [1] * 2, 6, 2, 64),
+            AttnShape("extend gqa4 d128", [0, 21], [7, 18], 4, 1, 128),
+            AttnShape("extend gqa3 d64", [0, 33], [20, 5], 3, 1, 64),
+        ]
     return [
         AttnShape("decode mha d64", [0, 17, 300, 1000], [1] * 4, 8, 8, 64),
         AttnShape("decode gqa4 d128", [5, 2047, 64, 511], [1] * 4, 32, 8, 128),
@@ -72,6 +83,15 @@ def correctness_shapes() -> list[AttnShape]:
         AttnShape("extend gqa4 d128", [0, 40, 300], [7, 129, 64], 32, 8, 128),
         AttnShape("extend gqa3 d64", [0, 0, 513], [1, 200, 33], 9, 3, 64),
     ]
+
+
+def cascade_cases(quick: bool = False) -> list[tuple[AttnShape, int]]:
+    """Forked batches (shape, shared prefix length) for FlashInfer's cascade path."""
+    if quick:
+        return [(AttnShape("cascade decode gqa4", [70, 80, 65, 90], [1] * 4, 4, 1, 64), 64),
+                (AttnShape("cascade extend gqa4", [70, 80, 65, 90], [9, 1, 4, 3], 4, 1, 64), 64)]
+    return [(AttnShape("cascade decode gqa4", [600, 700, 650, 900, 601], [1] * 5, 32, 8, 128), 512),
+            (AttnShape("cascade extend gqa4", [600, 700, 650, 900], [9, 1, 40, 3], 32, 8, 128), 512)]
 
 
 def make_batch(shape: AttnShape, dtype: torch.dtype, device: str, seed: int = 0, shared_prefix: int = 0,
@@ -148,18 +168,17 @@ def available_kernel_backends(device: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- 1. correctness
 
-def check_attention(report: Report, device: str, backends: list[str]) -> None:
+def check_attention(report: Report, device: str, backends: list[str], quick: bool = False) -> None:
     ref_backend = make_backend("torch", device)
-    cases = [(s, 0) for s in correctness_shapes()]
-    cases.append((AttnShape("cascade decode gqa4", [600, 700, 650, 900, 601], [1] * 5, 32, 8, 128), 512))
-    cases.append((AttnShape("cascade extend gqa4", [600, 700, 650, 900], [9, 1, 40, 3], 32, 8, 128), 512))
+    cases = [(s, 0) for s in correctness_shapes(quick)] + cascade_cases(quick)
+    min_prefix = min(shared for _, shared in cascade_cases(quick)) // 2
     for name in backends:
         if name == "torch":
             continue
         dtypes = [torch.bfloat16] if name == "flashinfer" else [torch.float32, torch.bfloat16]
         for dtype in dtypes:
             for i, (shape, shared) in enumerate(cases):
-                kw = {"cascade_min_batch": 4, "cascade_min_prefix": 256} if name == "flashinfer" else {}
+                kw = {"cascade_min_batch": 4, "cascade_min_prefix": min_prefix} if name == "flashinfer" else {}
                 backend = make_backend(name, device, **kw)
                 q, k, v, kc, vc, meta = make_batch(shape, dtype, device, seed=i, shared_prefix=shared)
                 kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -173,18 +192,19 @@ def check_attention(report: Report, device: str, backends: list[str]) -> None:
                                                ok=bool(err < tolerance(dtype) and torch.equal(kc, kc_ref))))
 
 
-def check_ops(report: Report, device: str) -> None:
+def check_ops(report: Report, device: str, quick: bool = False) -> None:
     from radix_backend.kernels import ops, triton_ops
     g = torch.Generator().manual_seed(0)
+    rows = 12 if quick else 300
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(300, 576, generator=g).to(device=device, dtype=dtype)
-        r = torch.randn(300, 576, generator=g).to(device=device, dtype=dtype)
+        x = torch.randn(rows, 576, generator=g).to(device=device, dtype=dtype)
+        r = torch.randn(rows, 576, generator=g).to(device=device, dtype=dtype)
         w = torch.randn(576, generator=g).to(device=device, dtype=dtype)
-        gu = torch.randn(300, 2 * 1536, generator=g).to(device=device, dtype=dtype)
+        gu = torch.randn(rows, 2 * 1536, generator=g).to(device=device, dtype=dtype)
         cache = ops.build_cos_sin_cache(ops.default_inv_freq(64, 100000.0), 4096).to(device)
-        q = torch.randn(300, 9, 64, generator=g).to(device=device, dtype=dtype)
-        k = torch.randn(300, 3, 64, generator=g).to(device=device, dtype=dtype)
-        pos = torch.randint(0, 4096, (300,), generator=g).to(device)
+        q = torch.randn(rows, 9, 64, generator=g).to(device=device, dtype=dtype)
+        k = torch.randn(rows, 3, 64, generator=g).to(device=device, dtype=dtype)
+        pos = torch.randint(0, 4096, (rows,), generator=g).to(device)
         pairs = {
             "rms_norm": (triton_ops.rms_norm(x, w, 1e-5), ops.rms_norm_torch(x, w, 1e-5)),
             "fused_add_rms_norm": (torch.cat(triton_ops.fused_add_rms_norm(x, r, w, 1e-5)),
@@ -535,9 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     backends = available_kernel_backends(args.device) if args.backends == "auto" else args.backends.split(",")
     t0 = time.perf_counter()
     if not args.skip_correctness:
-        report.guard("attention correctness", lambda: check_attention(report, args.device, backends))
+        report.guard("attention correctness", lambda: check_attention(report, args.device, backends, args.quick))
         if "triton" in backends:
-            report.guard("ops correctness", lambda: check_ops(report, args.device))
+            report.guard("ops correctness", lambda: check_ops(report, args.device, args.quick))
             report.guard("cuda graph", lambda: check_cuda_graph(report, args.device))
     print(f"[gpu_check] correctness done at {time.perf_counter() - t0:.0f}s", flush=True)
     if not args.skip_bench:
