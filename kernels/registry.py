@@ -1,27 +1,38 @@
-"""Backend selection: `auto` picks flashinfer (CUDA + importable), else triton on CUDA, else torch."""
+"""Backend selection: `auto` picks flashinfer (CUDA + it imports), else triton on CUDA, else torch."""
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
+import logging
 
 import torch
 
 from .attention_base import AttentionBackend
 
+logger = logging.getLogger(__name__)
+
 BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer")
 
 
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+@functools.cache
+def _imports(module: str) -> bool:
+    """True if `module` imports. An installed but broken package (wrong CUDA or torch build) counts
+    as missing, so `auto` falls back instead of failing on the first forward."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    except Exception as exc:  # e.g. a CUDA library that fails to load at import time
+        logger.warning("%s is installed but does not import (%s: %s); not using it", module, type(exc).__name__, exc)
+        return False
+    return True
 
 
 def available_backends(device: torch.device | str) -> list[str]:
     names = ["torch"]
     if torch.device(device).type == "cuda":
-        if _has("triton"):
-            names.append("triton")
-        if _has("flashinfer"):
-            names.append("flashinfer")
+        names += [name for name in ("triton", "flashinfer") if _imports(name)]
     return names
 
 
