@@ -32,11 +32,14 @@ kernel_test = pytest.mark.skipif(not RUN_KERNELS, reason="runs in the TRITON_INT
 
 
 @pytest.mark.skipif(INTERPRET or HAS_CUDA, reason="kernels run directly in this process")
-def test_kernels_under_triton_interpreter() -> None:
-    """Driver: runs this file's kernel tests with TRITON_INTERPRET=1 in a fresh interpreter."""
+def test_kernels_under_triton_interpreter(request) -> None:
+    """Driver: runs this file's kernel tests with TRITON_INTERPRET=1 in a fresh interpreter
+    (with this run's -m marker selection, so `-m "not slow"` skips the SmolLM2 test there too)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
            str(Path(__file__).resolve())]
+    if request.config.option.markexpr:
+        cmd += ["-m", request.config.option.markexpr]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
@@ -246,6 +249,23 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch, d
             tokens[name] = [o.token_ids for o in cold + warm]
     assert tokens["triton"] == tokens["torch"]
     assert tokens["triton+ops"] == tokens["torch"] and calls
+
+
+@kernel_test
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_match_torch_backend() -> None:
+    """The embedded SmolLM2 (30 layers, GQA 9:3, head dim 64) with Triton attention: same greedy
+    tokens as the torch backend (itself checked against HF), cold and on a radix-cache hit."""
+    from radix_backend import Engine, SamplingParams
+    params = SamplingParams(max_new_tokens=3, temperature=0.0)
+    tokens = {}
+    for name in ("torch", "triton"):
+        with Engine(device=DEVICE, attention_backend=name, kv_cache_tokens=2048) as engine:
+            cold = engine.generate("The capital of France is", params)
+            warm = engine.generate("The capital of France is a city", params)
+            assert warm.meta.cached_tokens > 0
+            tokens[name] = [cold.token_ids, warm.token_ids]
+    assert tokens["triton"] == tokens["torch"]
 
 
 def test_default_num_kv_splits_bounds() -> None:
