@@ -9,10 +9,12 @@ samples. Finished requests' tokens go into the radix tree so later calls reuse t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -83,6 +85,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="radix-scheduler", daemon=True)
         self._thread.start()
+        _live_schedulers.add(self)
 
     # ---- thread-safe entry points ---------------------------------------------------------
     def submit(self, req: Req) -> None:
@@ -515,3 +518,16 @@ class Scheduler:
             return False
         self.tree.reset()
         return True
+
+
+_live_schedulers: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_schedulers_at_exit() -> None:
+    """Stop every scheduler thread before the interpreter finalizes. A daemon thread still inside
+    a torch op then would be torn down mid-call and abort the process ("terminate called without
+    an active exception"); engines nobody shut down (e.g. get_engine()'s shared one) need this."""
+    for scheduler in list(_live_schedulers):
+        scheduler.shutdown()
+
