@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_dot import dot_config
+from .triton_dot import attend_tile, dot_config
 
 _LOG2E = 1.4426950408889634
 
@@ -52,7 +52,6 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
 
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=hmask[:, None] & dmask[None, :], other=0.0)
-    q_dot = q.to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -60,21 +59,13 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
+        kv_mask = nmask[:, None] & dmask[None, :]
         slots = tl.load(KV_INDICES + kv_start + offs_n, mask=nmask, other=0).to(tl.int64)
         k = tl.load(K_CACHE + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        qk = tl.dot(q_dot, tl.trans(k.to(q.dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION) * sm_scale_log2
-        qk = tl.where(hmask[:, None] & nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        v = tl.load(V_CACHE + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(DOT_DTYPE), v.to(q.dtype).to(DOT_DTYPE),
-                                            input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+                    mask=kv_mask, other=0.0)
+        v_ptrs = V_CACHE + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, hmask[:, None] & nmask[None, :], acc, m_i, l_i,
+                                    sm_scale_log2, DOT_DTYPE, DOT_PRECISION)
 
     if hi > lo:
         base = b * stride_mb + heads * stride_mh + split * stride_ms

@@ -1,4 +1,6 @@
-"""How the Triton attention kernels feed tl.dot: operand dtype and input precision per input dtype.
+"""What the Triton attention kernels share: how they feed tl.dot (operand dtype and input
+precision per input dtype) and the online-softmax step that folds one K/V tile into a running
+output (`attend_tile`, inlined into the decode and extend kernels).
 
 On a GPU the operands keep the input dtype (bf16/fp16 tensor-core dots accumulating in fp32;
 fp32 inputs use exact "ieee" dots so fp32 results match the torch reference to rounding).
@@ -14,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -39,3 +42,24 @@ def dot_config(dtype: torch.dtype, interpreter: bool | None = None) -> DotConfig
     operand = tl.float32 if interpreter and dtype == torch.bfloat16 else _TL_DTYPES[dtype]
     # "tf32" only matters for fp32 operands, which here are always meant exact.
     return DotConfig(operand, "ieee" if operand == tl.float32 else "tf32")
+
+
+@triton.jit
+def attend_tile(q, k, v_ptrs, kv_mask, score_mask, acc, m_i, l_i, sm_scale_log2,
+                DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one K/V tile into the running (acc, m_i, l_i) of rows q (log2-domain online softmax).
+
+    `k` is the loaded key tile; V is loaded here from `v_ptrs` (under `kv_mask`) only after the
+    scores, as a hand-written loop would. Scores outside `score_mask` are -inf; a row that has
+    seen no key yet keeps m_i = -inf and adds nothing (no NaN). Returns (acc, m_i, l_i).
+    """
+    qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(q.dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    qk = tl.where(score_mask, qk * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(DOT_DTYPE), v.to(q.dtype).to(DOT_DTYPE),
+                                        input_precision=DOT_PRECISION)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_dot import dot_config
+from .triton_dot import attend_tile, dot_config
 
 _LOG2E = 1.4426950408889634
 
@@ -47,7 +47,6 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0)
-    q_dot = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -57,42 +56,27 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
     for start in range(0, prefix_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < prefix_len
+        kv_mask = nmask[:, None] & dmask[None, :]
         slots = tl.load(KV_INDICES + kv_start + offs_n, mask=nmask, other=0).to(tl.int64)
         k = tl.load(K_CACHE + slots[:, None] * stride_kct + kv_head * stride_kch + offs_d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        qk = tl.dot(q_dot, tl.trans(k.to(q.dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION) * sm_scale_log2
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        v = tl.load(V_CACHE + slots[:, None] * stride_vct + kv_head * stride_vch + offs_d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(DOT_DTYPE), v.to(q.dtype).to(DOT_DTYPE),
-                                            input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+                    mask=kv_mask, other=0.0)
+        v_ptrs = V_CACHE + slots[:, None] * stride_vct + kv_head * stride_vch + offs_d[None, :]
+        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, nmask[None, :], acc, m_i, l_i, sm_scale_log2,
+                                    DOT_DTYPE, DOT_PRECISION)
 
-    # Stage 2: the new tokens themselves, causal. Keys past this block's last row are never seen.
+    # Stage 2: the new tokens themselves, causal. Keys past this block's last row are never seen;
+    # rows past extend_len see nothing.
     end = tl.minimum((block_m + 1) * BLOCK_M, extend_len)
     for start in range(0, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < extend_len
+        kv_mask = nmask[:, None] & dmask[None, :]
         krows = (q_start + offs_n).to(tl.int64)
-        k = tl.load(K + krows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        qk = tl.dot(q_dot, tl.trans(k.to(q.dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION) * sm_scale_log2
+        k = tl.load(K + krows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         causal = (offs_m[:, None] >= offs_n[None, :]) & nmask[None, :]
-        qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past extend_len see nothing
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        v = tl.load(V + krows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(DOT_DTYPE), v.to(q.dtype).to(DOT_DTYPE),
-                                            input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        v_ptrs = V + krows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, causal, acc, m_i, l_i, sm_scale_log2,
+                                    DOT_DTYPE, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
