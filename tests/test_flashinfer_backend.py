@@ -38,15 +38,14 @@ class _FakePrefill:
              causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
              o_data_type=None, non_blocking=True):
-        qo_indptr, indptr, indices, last_page_len = qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len
-        hq, hkv, dim = num_qo_heads, num_kv_heads, head_dim_qk
         assert isinstance(q_data_type, torch.dtype) and isinstance(kv_data_type, torch.dtype)
-        for t in (qo_indptr, indptr, indices, last_page_len):
+        for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len):
             assert t.dtype == torch.int32
-        assert ((last_page_len >= 1) & (last_page_len <= page_size)).all()
-        self.plan_args = dict(qo=qo_indptr.tolist(), indptr=indptr.tolist(), indices=indices.tolist(),
-                              last=last_page_len.tolist(), hq=hq, hkv=hkv, dim=dim, ps=page_size, causal=causal,
-                              scale=sm_scale if sm_scale is not None else dim ** -0.5)
+        assert ((paged_kv_last_page_len >= 1) & (paged_kv_last_page_len <= page_size)).all()
+        self.plan_args = dict(qo=qo_indptr.tolist(), indptr=paged_kv_indptr.tolist(),
+                              indices=paged_kv_indices.tolist(), last=paged_kv_last_page_len.tolist(),
+                              hq=num_qo_heads, hkv=num_kv_heads, dim=head_dim_qk, ps=page_size, causal=causal,
+                              scale=sm_scale if sm_scale is not None else head_dim_qk ** -0.5)
 
     def run(self, q, paged_kv, return_lse=False):
         a = self.plan_args

@@ -170,8 +170,9 @@ def available_kernel_backends(device: str) -> list[str]:
 
 def check_attention(report: Report, device: str, backends: list[str], quick: bool = False) -> None:
     ref_backend = make_backend("torch", device)
-    cases = [(s, 0) for s in correctness_shapes(quick)] + cascade_cases(quick)
-    min_prefix = min(shared for _, shared in cascade_cases(quick)) // 2
+    cascades = cascade_cases(quick)
+    cases = [(s, 0) for s in correctness_shapes(quick)] + cascades
+    min_prefix = min(shared for _, shared in cascades) // 2
     for name in backends:
         if name == "torch":
             continue
