@@ -19,6 +19,7 @@ import torch
 from .errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
 from .loader import load_tokenizer, resolve_checkpoint
 from .model_runner import ModelRunner
+from .quantize import default_quantization
 from .outputs import ChoiceScore, GenerateOutput, StreamChunk
 from .request import Req, RequestHandle
 from .sampling_params import SamplingParams
@@ -57,14 +58,14 @@ class Engine:
                  schedule_policy: str = "lpm", attention_backend: str = "auto", max_running_requests: int = 64,
                  chunked_prefill_tokens: int = 2048, disable_radix_cache: bool = False,
                  enable_jump_forward: bool = True, seed: int = 0, debug_slots: bool = False, tp_size: int = 1,
-                 cuda_graph: bool | None = None) -> None:
+                 cuda_graph: bool | None = None, quantization: str | None = None) -> None:
         self.checkpoint = resolve_checkpoint(model)
         self.model_path = str(self.checkpoint.path)
         self.model_name = model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.runner = ModelRunner(self.checkpoint, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
                                   mem_fraction=mem_fraction, page_size=page_size, attention_backend=attention_backend,
-                                  tp_size=tp_size,
+                                  tp_size=tp_size, quantization=quantization or default_quantization(),
                                   cuda_graph=cuda_graph, cuda_graph_max_batch_size=max_running_requests)
         self.eos_token_ids = frozenset(self._collect_eos_ids())
         self.seed = seed

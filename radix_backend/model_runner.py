@@ -19,6 +19,7 @@ from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
 from .models import build_model
 from .models.llama import check_tp_divisible
+from .quantize import QuantizationReport, quantize_model, validate_mode
 
 if TYPE_CHECKING:
     from .distributed import TensorParallel
@@ -74,7 +75,8 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, *, device: str = "auto", dtype: str = "auto",
                  kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
                  attention_backend: str = "auto", tp_size: int = 1, cuda_graph: bool | None = None,
-                 cuda_graph_max_batch_size: int = 64) -> None:
+                 cuda_graph_max_batch_size: int = 64, quantization: str = "auto") -> None:
+        validate_mode(quantization)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = checkpoint.config
@@ -89,7 +91,7 @@ class ModelRunner:
             self.tp = init_tensor_parallel(tp_size, self.device, {"model": str(checkpoint.path), "runner": runner_args})
             self.device = self.tp.device
         try:
-            self._build(checkpoint, kv_cache_tokens, mem_fraction, page_size, attention_backend)
+            self._build(checkpoint, kv_cache_tokens, mem_fraction, page_size, attention_backend, quantization)
         except BaseException as exc:
             if self.tp is not None:
                 self.tp.mark_broken(f"building the model failed: {exc}")
@@ -105,9 +107,13 @@ class ModelRunner:
             raise SystemExit(0)
 
     def _build(self, checkpoint: Checkpoint, kv_cache_tokens: int | None, mem_fraction: float | None,
-               page_size: int, attention_backend: str) -> None:
+               page_size: int, attention_backend: str, quantization: str) -> None:
         self.model = build_model(self.config, iter_weights(checkpoint, dtype=torch.float32, device="cpu"),
                                  dtype=self.dtype, device=self.device, tp=self.tp)
+        self.quantization: QuantizationReport = quantize_model(
+            self.model, quantization, from_gguf=checkpoint.source in ("gguf", "embedded"), device=self.device,
+            dtype=self.dtype, tp_size=self.tp.size if self.tp else 1)
+        logger.info("quantization: %s (%s)", self.quantization.mode, self.quantization.reason)
         attn = self.model.layers[0].self_attn
         pool_cfg = KVPoolConfig(num_layers=len(self.model.layers), num_kv_heads=attn.num_kv_heads,
                                 head_dim=attn.head_dim, dtype=self.dtype, device=self.device)

@@ -168,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.layers[0].self_attn.head_dim
         self.register_buffer("cos_sin_cache", _rope_cos_sin_cache(config, head_dim, config.max_position_embeddings),
                              persistent=False)
+        self.lm_head_quant: nn.Module | None = None  # set by radix_backend.quantize when the head is quantized
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -185,6 +186,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
         hidden, _ = self.norm(hidden, residual)
+        if self.lm_head_quant is not None:
+            return self.lm_head_quant(hidden).float()
         return torch.matmul(hidden, self.lm_head_weight.t()).float()
 
     # ---- weights -------------------------------------------------------------------------
