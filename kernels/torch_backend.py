@@ -1,73 +1,183 @@
-"""Pure-torch attention backend: the reference every kernel is tested against; runs on CPU and GPU."""
+"""Pure-torch attention backend: the reference every kernel is tested against; runs on CPU and GPU.
+
+Per forward it plans once (shared by all layers): each request's keys are its slot list; prefixes
+that several requests share (one radix node) are attended once for all of them
+(`shared_prefix.py`), and only each request's remainder is gathered per request. Requests are
+batched into one padded product when padding wastes little, else attended one by one.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from . import shared_prefix as sp
 from .attention_base import AttentionBackend, AttentionMetadata
+
+# Pad ragged requests into one batched product while the padded work is at most this many times
+# the real work; beyond it, one product per request is cheaper.
+MAX_PADDING_FACTOR = 2.0
+
+
+@dataclass
+class _Plan:
+    groups: list[sp.SharedPrefix]
+    group_rows: list[torch.Tensor]  # per group: its members' query rows, in token order
+    padded: bool
+    # padded layout: query row and key slot per (request, position), validity as an additive mask
+    query_rows: torch.Tensor | None  # [B, Emax] int64 (decode: None, row i is request i)
+    key_slots: torch.Tensor | None  # [B, Lmax] int64
+    mask: torch.Tensor | None  # [B, 1, Emax, Lmax] fp32, 0 or -inf
+    valid_rows: torch.Tensor | None  # [B * Emax] bool: padded positions that are real tokens
+    # per-request layout (not padded): remainder slots and causal offset of each request
+    rest_slots: list[torch.Tensor]
+    causal_offsets: list[int]
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decode batches are padded into one SDPA call; extend batches run one SDPA per request."""
-
     name = "torch"
 
-    def __init__(self) -> None:
-        self._decode_plan: tuple[torch.Tensor, torch.Tensor] | None = None
+    def __init__(self, share_prefixes: bool = True) -> None:
+        self.share_prefixes = share_prefixes
+        self._plan: _Plan | None = None
+        self._plan_meta: AttentionMetadata | None = None
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
-        self._decode_plan = self._plan_decode(meta) if meta.is_decode else None
-
-    @staticmethod
-    def _plan_decode(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded gather index [B, Lmax] and additive mask [B, 1, 1, Lmax] shared by all layers."""
-        seq_lens = meta.seq_lens_cpu
-        max_len = max(seq_lens)
-        device = meta.kv_indices.device
-        ar = torch.arange(max_len, device=device)
-        valid = ar[None, :] < meta.seq_lens[:, None]
-        gather = meta.kv_indptr[:-1, None] + ar[None, :]
-        gather = torch.where(valid, gather, torch.zeros_like(gather))
-        slots = meta.kv_indices[gather]
-        mask = torch.zeros(valid.shape, dtype=torch.float32, device=device)
-        mask.masked_fill_(~valid, float("-inf"))
-        return slots, mask[:, None, None, :]
+        self._plan, self._plan_meta = self._build_plan(meta), meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
-        if meta.is_decode:
-            plan = self._decode_plan if self._decode_plan is not None else self._plan_decode(meta)
-            return self._decode(q, k_cache, v_cache, plan, scale)
-        return self._extend(q, k_cache, v_cache, meta, scale)
+        plan = self._plan if self._plan_meta is meta else self._build_plan(meta)
+        tokens, hq, dim = q.shape
+        hkv = k_cache.shape[1]
+        if not plan.groups:
+            if plan.padded:
+                return self._padded_sdpa(q, k_cache, v_cache, plan, scale)
+            return self._per_request(q, k_cache, v_cache, meta, plan, scale, with_lse=False)[0]
+        if plan.padded:
+            out, lse = self._padded_attend(q, k_cache, v_cache, plan, scale)
+        else:
+            out, lse = self._per_request(q, k_cache, v_cache, meta, plan, scale, with_lse=True)
+        q_groups = q.view(tokens, hkv, hq // hkv, dim)
+        for group, rows in zip(plan.groups, plan.group_rows):
+            keys = sp.read_slots(k_cache, group.slots, group.contiguous_start).transpose(0, 1)  # [Hkv, Lp, D]
+            values = sp.read_slots(v_cache, group.slots, group.contiguous_start).transpose(0, 1)
+            qr = q_groups.index_select(0, rows)  # [R, Hkv, G, D]
+            r, _, g, _ = qr.shape
+            qr = qr.permute(1, 0, 2, 3).reshape(hkv, r * g, dim)
+            out_p, lse_p = sp.attend(qr, keys.to(q.dtype), values.to(q.dtype), scale)
+            out_p = out_p.view(hkv, r, g, dim).permute(1, 0, 2, 3)
+            lse_p = lse_p.view(hkv, r, g, 1).permute(1, 0, 2, 3)
+            merged = sp.merge(out_p, lse_p, out.index_select(0, rows), lse.index_select(0, rows))
+            out.index_copy_(0, rows, merged.to(out.dtype))
+        return out.view(tokens, hq, dim)
+
+    # ---- planning ---------------------------------------------------------------------------
+    def _build_plan(self, meta: AttentionMetadata) -> _Plan:
+        prefix, extend = meta.prefix_lens_cpu, meta.extend_lens_cpu
+        kv_ptr = meta.kv_indptr.tolist()
+        qo_ptr = meta.qo_indptr.tolist()
+        groups, shared = ([], [0] * len(prefix))
+        if self.share_prefixes and len(prefix) > 1:
+            groups, shared = sp.find_shared_prefixes(meta.kv_indices, kv_ptr, prefix)
+        rest_lens = [kv_ptr[i + 1] - kv_ptr[i] - shared[i] for i in range(len(prefix))]
+        max_e, max_l = max(extend), max(rest_lens)
+        real = sum(e * n for e, n in zip(extend, rest_lens))
+        padded = meta.is_decode or len(prefix) * max_e * max_l <= MAX_PADDING_FACTOR * real
+        device = meta.kv_indices.device
+        group_rows = [torch.cat([torch.arange(qo_ptr[i], qo_ptr[i + 1]) for i in g.members.tolist()]).to(device)
+                      for g in groups]
+        plan = _Plan(groups, group_rows, padded, None, None, None, None, [], [])
+        if padded:
+            self._plan_padded(plan, meta, kv_ptr, qo_ptr, shared, rest_lens, max_e, max_l)
+        else:
+            plan.rest_slots = [meta.kv_indices[kv_ptr[i] + shared[i]:kv_ptr[i + 1]] for i in range(len(prefix))]
+            plan.causal_offsets = [prefix[i] - shared[i] for i in range(len(prefix))]
+        return plan
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, plan, scale) -> torch.Tensor:
-        slots, mask = plan
-        bsz, hq, dim = q.shape
-        flat = slots.reshape(-1)  # index_select is ~3x faster than advanced indexing on CPU
-        shape = (*slots.shape, *k_cache.shape[1:])
-        keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.view(bsz, hq, 1, dim), keys, values, attn_mask=mask.to(q.dtype), scale=scale,
-            enable_gqa=keys.shape[1] != hq)
-        return out.view(bsz, hq, dim)
+    def _plan_padded(plan: _Plan, meta: AttentionMetadata, kv_ptr: list[int], qo_ptr: list[int],
+                     shared: list[int], rest_lens: list[int], max_e: int, max_l: int) -> None:
+        device = meta.kv_indices.device
+        bsz = len(rest_lens)
+        starts = torch.tensor([kv_ptr[i] + shared[i] for i in range(bsz)], device=device)
+        lens = torch.tensor(rest_lens, device=device)
+        ar_l = torch.arange(max_l, device=device)
+        key_valid = ar_l[None, :] < lens[:, None]  # [B, Lmax]
+        plan.key_slots = meta.kv_indices[torch.where(key_valid, starts[:, None] + ar_l[None, :], 0)]
+        extend = torch.tensor(meta.extend_lens_cpu, device=device)
+        ar_e = torch.arange(max_e, device=device)
+        query_valid = ar_e[None, :] < extend[:, None]  # [B, Emax]
+        plan.query_rows = torch.where(query_valid, torch.tensor(qo_ptr[:-1], device=device)[:, None] + ar_e, 0)
+        plan.valid_rows = query_valid.reshape(-1)
+        # query j of request i sits at position rest_len - extend + j within its keys; it sees keys <= that
+        query_pos = (lens - extend)[:, None] + ar_e[None, :]  # [B, Emax]
+        visible = key_valid[:, None, :] & (ar_l[None, None, :] <= query_pos[:, :, None])
+        visible |= ~query_valid[:, :, None]  # padded query rows see everything: no NaN, discarded anyway
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
+        plan.mask = mask.masked_fill_(~visible, float("-inf"))[:, None]  # [B, 1, Emax, Lmax]
+
+    # ---- the remainder of each request ----------------------------------------------------------
+    @staticmethod
+    def _gather_padded(q, k_cache, v_cache, plan: _Plan):
+        bsz, max_e = plan.query_rows.shape
+        max_l = plan.key_slots.shape[1]
+        flat = plan.key_slots.reshape(-1)  # index_select is ~3x faster than advanced indexing on CPU
+        keys = k_cache.index_select(0, flat).view(bsz, max_l, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(bsz, max_l, *v_cache.shape[1:]).transpose(1, 2)
+        queries = q.index_select(0, plan.query_rows.reshape(-1)).view(bsz, max_e, *q.shape[1:]).transpose(1, 2)
+        return queries, keys.to(q.dtype), values.to(q.dtype)  # [B, H, E|L, D]
+
+    def _padded_sdpa(self, q, k_cache, v_cache, plan: _Plan, scale: float) -> torch.Tensor:
+        queries, keys, values = self._gather_padded(q, k_cache, v_cache, plan)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask.to(q.dtype), scale=scale,
+                                             enable_gqa=keys.shape[1] != q.shape[1])
+        return self._unpad(out.transpose(1, 2), plan, q.shape[0])
+
+    def _padded_attend(self, q, k_cache, v_cache, plan: _Plan, scale: float):
+        queries, keys, values = self._gather_padded(q, k_cache, v_cache, plan)
+        bsz, hq, max_e, dim = queries.shape
+        hkv = keys.shape[1]
+        queries = queries.view(bsz, hkv, hq // hkv, max_e, dim)
+        out, lse = sp.attend(queries, keys[:, :, None], values[:, :, None], scale, plan.mask[:, :, None].to(q.dtype))
+        out = out.permute(0, 3, 1, 2, 4)  # [B, Emax, Hkv, G, D]
+        lse = lse.permute(0, 3, 1, 2, 4)
+        return self._unpad(out, plan, q.shape[0]), self._unpad(lse, plan, q.shape[0])
 
     @staticmethod
-    def _extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        hq = q.shape[1]
-        qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
-        for i, (prefix, extend) in enumerate(zip(meta.prefix_lens_cpu, meta.extend_lens_cpu)):
-            slots = meta.kv_indices[kv[i]:kv[i + 1]]
-            qi = q[qo[i]:qo[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, Hq, E, D]
-            keys = k_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-            values = v_cache.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            seq = prefix + extend
-            # Query j (position prefix + j) sees keys 0..prefix + j.
-            mask = torch.ones(extend, seq, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-            oi = F.scaled_dot_product_attention(qi, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-                                                scale=scale, enable_gqa=keys.shape[1] != hq)
-            out[qo[i]:qo[i + 1]] = oi[0].transpose(0, 1)
-        return out
+    def _unpad(x: torch.Tensor, plan: _Plan, tokens: int) -> torch.Tensor:
+        """[B, Emax, ...] padded rows -> [T, ...] in token order (requests are contiguous in q)."""
+        flat = x.reshape(-1, *x.shape[2:])
+        if flat.shape[0] == tokens:
+            return flat.contiguous()
+        return flat[plan.valid_rows]
+
+    @staticmethod
+    def _per_request(q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float, with_lse: bool):
+        tokens, hq, dim = q.shape
+        hkv = k_cache.shape[1]
+        qo = meta.qo_indptr.tolist()
+        out = torch.empty(tokens, hkv, hq // hkv, dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(tokens, hkv, hq // hkv, 1, dtype=q.dtype, device=q.device) if with_lse else None
+        for i, (slots, offset) in enumerate(zip(plan.rest_slots, plan.causal_offsets)):
+            extend = qo[i + 1] - qo[i]
+            keys = k_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
+            values = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
+            # query j (position offset + j within these keys) sees keys 0..offset + j
+            visible = torch.ones(extend, slots.shape[0], dtype=torch.bool, device=q.device).tril(diagonal=offset)
+            qi = q[qo[i]:qo[i + 1]]
+            if with_lse:
+                mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+                qg = qi.view(extend, hkv, hq // hkv, dim).permute(1, 2, 0, 3)  # [Hkv, G, E, D]
+                oi, li = sp.attend(qg, keys[:, None], values[:, None], scale, mask)
+                out[qo[i]:qo[i + 1]] = oi.permute(2, 0, 1, 3)
+                lse[qo[i]:qo[i + 1]] = li.permute(2, 0, 1, 3)
+            else:
+                oi = F.scaled_dot_product_attention(qi.transpose(0, 1)[None], keys[None], values[None],
+                                                    attn_mask=visible, scale=scale, enable_gqa=hkv != hq)
+                out[qo[i]:qo[i + 1]] = oi[0].transpose(0, 1).view(extend, hkv, hq // hkv, dim)
+        if not with_lse:
+            return out.view(tokens, hq, dim), None
+        return out, lse

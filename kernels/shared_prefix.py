@@ -1,0 +1,90 @@
+"""Find the KV that several requests of one batch share, so attention reads it once for all of them.
+
+Requests that continue one radix-tree node hold the very same KV slots for that prefix. Attention
+over a shared prefix is then one matrix product of all their queries with one copy of the prefix
+K/V (FlashInfer's cascade attention, Hydragen), instead of one gather and one product per request;
+each request's own remainder is attended separately and the two parts are merged through their
+log-sum-exp. The plan is built once per forward from the slot tables and used by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Below this many shared tokens a separate prefix pass costs more than it saves.
+MIN_SHARED_TOKENS = 32
+
+
+@dataclass
+class SharedPrefix:
+    """Requests `members` (batch indices) all start with the KV at `slots` (length `length`)."""
+
+    members: torch.Tensor  # [m] int64 batch indices
+    slots: torch.Tensor  # [length] int64 KV slots
+    contiguous_start: int | None  # slots == arange(start, start + length): read as a view, no copy
+
+    @property
+    def length(self) -> int:
+        return int(self.slots.shape[0])
+
+
+def find_shared_prefixes(kv_indices: torch.Tensor, kv_indptr: list[int], prefix_lens: list[int],
+                         min_tokens: int = MIN_SHARED_TOKENS) -> tuple[list[SharedPrefix], list[int]]:
+    """Group requests by their first KV slot and take each group's longest common slot prefix.
+
+    Returns the groups worth a shared pass and, per request, how many leading tokens a group
+    covers (0 for requests in none). Only cached tokens (< prefix_lens[i]) can be shared, so every
+    query of a member sees the whole shared prefix: no causal mask is needed there.
+    """
+    slots = kv_indices.cpu()
+    shared_len = [0] * len(prefix_lens)
+    by_first: dict[int, list[int]] = {}
+    for i, prefix in enumerate(prefix_lens):
+        if prefix >= min_tokens:
+            by_first.setdefault(int(slots[kv_indptr[i]]), []).append(i)
+    groups: list[SharedPrefix] = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        limit = min(prefix_lens[i] for i in members)
+        rows = torch.stack([slots[kv_indptr[i]:kv_indptr[i] + limit] for i in members])
+        differs = (rows != rows[0]).any(dim=0)
+        length = int(differs.nonzero()[0, 0]) if bool(differs.any()) else limit
+        if length < min_tokens:
+            continue
+        prefix_slots = rows[0, :length]
+        first = int(prefix_slots[0])
+        contiguous = bool(torch.equal(prefix_slots, torch.arange(first, first + length)))
+        groups.append(SharedPrefix(torch.tensor(members, dtype=torch.int64), prefix_slots.to(kv_indices.device),
+                                   first if contiguous else None))
+        for i in members:
+            shared_len[i] = length
+    return groups, shared_len
+
+
+def read_slots(cache: torch.Tensor, slots: torch.Tensor, contiguous_start: int | None) -> torch.Tensor:
+    """cache[slots] without a copy when the slots are one run."""
+    if contiguous_start is not None:
+        return cache.narrow(0, contiguous_start, slots.shape[0])
+    return cache.index_select(0, slots)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of the scores, for merging.
+
+    q [..., M, D], k/v [..., L, D], mask additive [..., M, L] or None -> (out [..., M, D], lse [..., M, 1]).
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.add_(mask)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(scores.sub_(lse)), v), lse
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Combine attention over two disjoint key sets from their outputs and log-sum-exps."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse) + out_b * torch.exp(lse_b - lse)
