@@ -10,6 +10,10 @@ Batch-1 decode reads every weight once per token, so bytes per weight set its sp
 - `Int8Linear`: 8-bit codes with one scale per output row (`aten._weight_int8pack_mm`, bf16
   activations): the LM head of a GGUF model (stored as Q8_0) and the int8 option for fp checkpoints.
 
+Both kernels read few bytes but compute slowly, so they win only for a few rows (decode of a
+small batch). Prefill and large decode batches run a dense GEMM on the same dequantized weights,
+in bf16 where the CPU has native bf16 and fp32 elsewhere (`dense_dtype_for_large_batches`).
+
 `q4_1_codes` derives Q4_1 codes from dequantized weights. llama.cpp's Q4_1 quantizer sets
 m = block min and d = (max - min) / 15 (rounded to fp16), so a weight dequantized from Q4_1 is
 re-derived exactly; `exact` reports whether the round trip reproduced every weight bit for bit,
@@ -23,10 +27,17 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 GROUP_SIZE = 32
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
+# Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
+# copy streams from memory (measured on a 2-core AVX-512 EPYC, SmolLM2 decode step, int4 vs bf16
+# dense: 85 vs 124 ms at batch 8, 120 vs 147 at 16, 221 vs 219 at 32; prefill of 1024 tokens
+# 2580 vs 1712 ms). In isolation, with the weight in cache, the crossover is ~8 rows:
+# int4 107 vs bf16 166 us at 1 row, 149 vs 178 at 4, 246 vs 189 at 8, for a 3072x576 weight)
+SMALL_BATCH_ROWS = 32
 
 
 @dataclass
@@ -74,72 +85,118 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W^T (+ bias) with W held as packed 4-bit codes, group scale and zero (bf16)."""
+class _LowBitLinear(nn.Module):
+    """y = x @ W^T (+ bias). Small batches (<= small_batch_rows rows) run the packed low-bit
+    kernel, which is bound by weight bytes; larger ones, where that kernel is compute bound and
+    2-3x slower than the CPU's GEMM, run a dense matmul on the same weights dequantized once into
+    `dense_dtype` (None: always the low-bit kernel, and no dense copy is kept)."""
 
-    def __init__(self, q: Int4Codes, bias: torch.Tensor | None = None) -> None:
+    small_batch_rows: int
+
+    def __init__(self, dense_weight: torch.Tensor, bias: torch.Tensor | None, dense_dtype: torch.dtype | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = q.codes.shape
+        self.out_features, self.in_features = dense_weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.register_buffer("dense_weight", None if dense_dtype is None else dense_weight.to(dense_dtype).contiguous())
+
+    def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.dense_weight is not None and flat.shape[0] > self.small_batch_rows:
+            out = F.linear(flat.to(self.dense_weight.dtype), self.dense_weight)
+        else:
+            out = self._low_bit(flat.to(KERNEL_DTYPE))
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+
+class Int4Linear(_LowBitLinear):
+    """Weights held as packed 4-bit codes with a bf16 scale and zero per group of 32."""
+
+    small_batch_rows = SMALL_BATCH_ROWS
+
+    def __init__(self, q: Int4Codes, bias: torch.Tensor | None = None, dense_dtype: torch.dtype | None = None) -> None:
+        super().__init__(q.dequantize() if dense_dtype is not None else q.codes, bias, dense_dtype)
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.codes, 1))
         zero = q.minimum + 8 * q.scale  # the kernel dequantizes (q - 8) * scale + zero
         scales_and_zeros = torch.stack([q.scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(KERNEL_DTYPE))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias.to(x.dtype)
+    def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{GROUP_SIZE}"
 
 
-class Int8Linear(nn.Module):
-    """y = x @ W^T (+ bias) with W held as int8 codes and one scale per output row."""
+class Int8Linear(_LowBitLinear):
+    """Weights held as int8 codes with one bf16 scale per output row."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
+    # torch's int8 kernel slows down faster with rows than the int4 one (SmolLM2's 49152x576 head:
+    # 2.9 ms at 1 row, 5.6 at 8, 25 at 32, against ~9 ms for the bf16 dense copy at 32)
+    small_batch_rows = 4
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 dense_dtype: torch.dtype | None = None) -> None:
         codes, scale = int8_rows(weight)
-        self.out_features, self.in_features = codes.shape
+        super().__init__(codes.float() * scale[:, None], bias, dense_dtype)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.to(KERNEL_DTYPE))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
-        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias.to(x.dtype)
+    def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row"
 
 
+def _best_time(fn, repeats: int = 5, inner: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 @functools.lru_cache(maxsize=1)
-def int4_kernel_speedup(rows: int = 1536, cols: int = 576) -> float:
-    """How much faster the int4 kernel runs a batch-1 matmul than fp32 on this CPU (timed once, a
-    few ms). Capability flags alone mislead: the same kernel is fast on AVX-512 and may not be on
-    other CPUs, so the choice is measured on the machine that runs it. 0.0 if the kernel is missing."""
+def dense_dtype_for_large_batches(rows: int = 64, out_features: int = 1536, in_features: int = 576) -> torch.dtype:
+    """bf16 where this CPU's bf16 GEMM clearly beats fp32 (native bf16: AVX512-BF16 or AMX), else
+    fp32 (on AVX2-only CPUs bf16 GEMM is emulated and ~40x slower). Timed once, a few ms."""
+    weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    wb, xb = weight.bfloat16(), x.bfloat16()
+    fp32 = _best_time(lambda: F.linear(x, weight))
+    bf16 = _best_time(lambda: F.linear(xb, wb))
+    return torch.bfloat16 if bf16 * 1.5 < fp32 else torch.float32
+
+
+@functools.lru_cache(maxsize=1)
+def int4_kernel_speedup(layers: int = 10, rows: int = 3072, cols: int = 576) -> float:
+    """How much faster the int4 kernel runs batch-1 matmuls than fp32 on this CPU, over more fp32
+    weight bytes than a CPU cache holds, as in a real decode step (timed once, ~0.1 s). Capability
+    flags alone mislead: the choice is measured on the machine that runs it. 0.0 if the kernel is
+    missing."""
     try:
-        weight = torch.randn(rows, cols)
-        layer = Int4Linear(q4_1_codes(weight))
+        weights = [torch.randn(rows, cols) for _ in range(layers)]
+        groups = (rows, cols // GROUP_SIZE)
+        codes = Int4Codes(torch.randint(0, 16, (rows, cols), dtype=torch.int32), torch.rand(groups),
+                          -torch.rand(groups), exact=True)
+        quantized = [Int4Linear(codes) for _ in range(layers)]
         x = torch.randn(1, cols)
-        layer(x)
+        quantized[0](x)
     except (RuntimeError, AttributeError, NotImplementedError):
         return 0.0
 
-    def best_of(fn, repeats: int = 5, inner: int = 20) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
+    def dense() -> None:
+        for w in weights:
+            F.linear(x, w)
 
-    dense = best_of(lambda: torch.matmul(x, weight.t()))
-    quant = best_of(lambda: layer(x))
-    return dense / quant
+    def low_bit() -> None:
+        for layer in quantized:
+            layer(x)
+
+    return _best_time(dense, repeats=3, inner=3) / _best_time(low_bit, repeats=3, inner=3)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,8 +37,8 @@ class QuantizationReport:
     reason: str
     layers: int = 0
     lossless: bool = False
-    weight_bytes: int = 0
-    skipped: list[str] = field(default_factory=list)
+    weight_bytes: int = 0  # read by a small-batch decode step (the low-bit copies)
+    dense_dtype: torch.dtype | None = None  # of the dense copy large batches run on (None: no quantization)
 
 
 def default_quantization() -> str:
@@ -69,14 +69,14 @@ def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torc
         report.weight_bytes = weight_bytes(model)
         return report
     if mode == "int4":
-        report = QuantizationReport("int4", "quantization='int4'")
+        report = QuantizationReport("int4", "quantization='int4'", dense_dtype=quant.dense_dtype_for_large_batches())
         _apply_int4(model, {name: quant.q4_1_codes(lin.weight) for name, lin in _linears(model)}, report)
     else:
-        report = QuantizationReport("int8", "quantization='int8'")
+        report = QuantizationReport("int8", "quantization='int8'", dense_dtype=quant.dense_dtype_for_large_batches())
         for name, lin in _linears(model):
-            _replace(model, name, quant.Int8Linear(lin.weight, lin.bias))
+            _replace(model, name, quant.Int8Linear(lin.weight, lin.bias, report.dense_dtype))
             report.layers += 1
-    _quantize_lm_head(model)
+    _quantize_lm_head(model, report)
     report.weight_bytes = weight_bytes(model)
     return report
 
@@ -93,9 +93,10 @@ def _auto(model: nn.Module, from_gguf: bool) -> QuantizationReport:
     speedup = quant.int4_kernel_speedup()
     if speedup < AUTO_MIN_SPEEDUP:
         return QuantizationReport("none", f"auto: int4 kernel only {speedup:.2f}x fp32 on this CPU")
-    report = QuantizationReport("int4", f"auto: lossless Q4_1 weights, int4 kernel {speedup:.1f}x fp32 here")
+    report = QuantizationReport("int4", f"auto: lossless Q4_1 weights, int4 kernel {speedup:.1f}x fp32 here",
+                                dense_dtype=quant.dense_dtype_for_large_batches())
     _apply_int4(model, codes, report)
-    _quantize_lm_head(model)
+    _quantize_lm_head(model, report)
     return report
 
 
@@ -112,14 +113,14 @@ def _unsupported(device: torch.device, dtype: torch.dtype, tp_size: int) -> str 
 def _apply_int4(model: nn.Module, codes: dict[str, quant.Int4Codes], report: QuantizationReport) -> None:
     bias = {name: lin.bias for name, lin in _linears(model)}
     for name, q in codes.items():
-        _replace(model, name, quant.Int4Linear(q, bias[name]))
+        _replace(model, name, quant.Int4Linear(q, bias[name], report.dense_dtype))
     report.layers = len(codes)
     report.lossless = all(q.exact for q in codes.values())
 
 
-def _quantize_lm_head(model: nn.Module) -> None:
+def _quantize_lm_head(model: nn.Module, report: QuantizationReport) -> None:
     """The LM head as int8 rows (GGUF stores it as Q8_0); the fp embedding table stays for lookups."""
-    model.lm_head_quant = quant.Int8Linear(model.lm_head_weight)
+    model.lm_head_quant = quant.Int8Linear(model.lm_head_weight, dense_dtype=report.dense_dtype)
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -138,9 +139,11 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes one forward reads for weights (embedding table excluded: a lookup reads a few rows)."""
+    """Bytes a small-batch decode step reads for weights (the embedding table and the dense copies
+    that only large batches use are excluded: a lookup reads a few rows)."""
     quantized_head = getattr(model, "lm_head_quant", None) is not None
     skip = {id(model.embed_tokens.weight), id(model.cos_sin_cache)}
+    skip.update(id(t) for name, t in model.named_buffers() if name.endswith("dense_weight"))
     if quantized_head and not model.tie_word_embeddings:
         skip.add(id(model.lm_head.weight))  # kept for lm_head_weight readers; the forward reads the int8 copy
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if id(t) not in skip)

@@ -117,3 +117,39 @@ def test_smollm2_auto_runs_the_gguf_weights_in_int4():
         fp32 = [o.token_ids for o in ref.generate(messages=msgs, params=params)]
         agree = sum(a == b for x, y in zip(cold, fp32) for a, b in zip(x, y)) / sum(map(len, fp32))
         assert agree > 0.5  # greedy agreement with fp32 is measured on the workloads (BENCHMARKS.md)
+
+
+@pytest.mark.parametrize("dense_dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_large_batches_run_a_dense_copy_of_the_same_weights(dense_dtype, bound):
+    gen = torch.Generator().manual_seed(4)
+    weight = gguf_q4_1(torch.randn(64, 96, generator=gen) * 0.05)
+    layer = quant.Int4Linear(quant.q4_1_codes(weight), dense_dtype=dense_dtype)
+    big = torch.randn(layer.small_batch_rows + 1, 96, generator=gen)
+    assert relative_error(layer(big), big @ weight.t()) < bound  # dense path: the GGUF's weights
+    small = big[:layer.small_batch_rows]
+    assert relative_error(layer(small), small @ weight.t()) < 1e-2  # low-bit kernel path
+    head = quant.Int8Linear(weight, dense_dtype=dense_dtype)
+    assert relative_error(head(big), big @ head.dense_weight.float().t()) < bound
+
+
+def test_small_steps_off_the_main_thread_run_single_threaded_and_restore(tiny_llama_dir):
+    import threading
+
+    from radix_backend import Engine, SamplingParams
+
+    seen: list[int] = []
+    with Engine(str(tiny_llama_dir), kv_cache_tokens=1024) as eng:
+        model_forward = eng.runner.model.forward
+
+        def spy(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return model_forward(*args, **kwargs)
+
+        eng.runner.model.forward = spy
+        before = torch.get_num_threads()
+        ids = eng.encode("one two three four five six seven eight nine ten")
+        eng.generate(input_ids=ids, params=SamplingParams(max_new_tokens=3, temperature=0))
+        assert torch.get_num_threads() == before
+        assert threading.main_thread() is threading.current_thread()
+    if before > 1:
+        assert seen[0] == before and set(seen[1:]) == {1}  # prefill of 10 tokens: all threads; decode: one
