@@ -71,17 +71,41 @@ def read_slots(cache: torch.Tensor, slots: torch.Tensor, contiguous_start: int |
     return cache.index_select(0, slots)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+           causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns the log-sum-exp of the scores, for merging.
 
-    q [..., M, D], k/v [..., L, D], mask additive [..., M, L] or None -> (out [..., M, D], lse [..., M, 1]).
+    q [B, H, M, D], k/v [B, H, L, D] (same heads), mask additive, broadcastable to [B, H, M, L];
+    `causal`: query i sees keys 0..i -> (out [B, H, M, D], lse [B, H, M, 1]). On CPU this is
+    torch's flash-attention kernel, which returns the log-sum-exp itself; elsewhere the formula.
     """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return out, lse.unsqueeze(-1).to(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if mask is not None:
         scores.add_(mask)
+    if causal:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu_(1)
+        scores.masked_fill_(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.matmul(torch.exp(scores.sub_(lse)), v), lse
+
+
+def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's new tokens: q [1, H, E, D] at positions prefix..prefix+E-1 of k/v [1, H, L, D]
+    (L = prefix + E). Split into the prefix, which every query sees whole, and the new tokens,
+    causal among themselves, so both parts run without an explicit mask."""
+    extend = q.shape[2]
+    if prefix == 0:
+        return attend(q, k, v, scale, causal=True)
+    if extend == 1:
+        return attend(q, k, v, scale)
+    out_a, lse_a = attend(q, k[:, :, :prefix], v[:, :, :prefix], scale)
+    out_b, lse_b = attend(q, k[:, :, prefix:], v[:, :, prefix:], scale, causal=True)
+    return merge(out_a, lse_a, out_b, lse_b), torch.logaddexp(lse_a, lse_b)
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,8 @@ class TorchAttentionBackend(AttentionBackend):
             values = sp.read_slots(v_cache, group.slots, group.contiguous_start).transpose(0, 1)
             qr = q_groups.index_select(0, rows)  # [R, Hkv, G, D]
             r, _, g, _ = qr.shape
-            qr = qr.permute(1, 0, 2, 3).reshape(hkv, r * g, dim)
-            out_p, lse_p = sp.attend(qr, keys.to(q.dtype), values.to(q.dtype), scale)
+            qr = qr.permute(1, 0, 2, 3).reshape(1, hkv, r * g, dim)
+            out_p, lse_p = sp.attend(qr, keys[None].to(q.dtype), values[None].to(q.dtype), scale)
             out_p = out_p.view(hkv, r, g, dim).permute(1, 0, 2, 3)
             lse_p = lse_p.view(hkv, r, g, 1).permute(1, 0, 2, 3)
             merged = sp.merge(out_p, lse_p, out.index_select(0, rows), lse.index_select(0, rows))
@@ -140,10 +140,12 @@ class TorchAttentionBackend(AttentionBackend):
         queries, keys, values = self._gather_padded(q, k_cache, v_cache, plan)
         bsz, hq, max_e, dim = queries.shape
         hkv = keys.shape[1]
-        queries = queries.view(bsz, hkv, hq // hkv, max_e, dim)
-        out, lse = sp.attend(queries, keys[:, :, None], values[:, :, None], scale, plan.mask[:, :, None].to(q.dtype))
-        out = out.permute(0, 3, 1, 2, 4)  # [B, Emax, Hkv, G, D]
-        lse = lse.permute(0, 3, 1, 2, 4)
+        g = hq // hkv
+        queries = queries.reshape(bsz, hkv, g * max_e, dim)  # head h = kv head h // G, query rows (g, e)
+        mask = plan.mask.to(q.dtype).repeat(1, 1, g, 1)  # [B, 1, G * Emax, Lmax]
+        out, lse = sp.attend(queries, keys, values, scale, mask)
+        out = out.view(bsz, hkv, g, max_e, dim).permute(0, 3, 1, 2, 4)  # [B, Emax, Hkv, G, D]
+        lse = lse.view(bsz, hkv, g, max_e, 1).permute(0, 3, 1, 2, 4)
         return self._unpad(out, plan, q.shape[0]), self._unpad(lse, plan, q.shape[0])
 
     @staticmethod
@@ -156,28 +158,21 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _per_request(q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float, with_lse: bool):
+        """One request at a time: its new tokens against its remainder, without explicit masks."""
         tokens, hq, dim = q.shape
         hkv = k_cache.shape[1]
         qo = meta.qo_indptr.tolist()
-        out = torch.empty(tokens, hkv, hq // hkv, dim, dtype=q.dtype, device=q.device)
-        lse = torch.empty(tokens, hkv, hq // hkv, 1, dtype=q.dtype, device=q.device) if with_lse else None
+        out = torch.empty(tokens, hq, dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(tokens, hq, 1, dtype=q.dtype, device=q.device) if with_lse else None
         for i, (slots, offset) in enumerate(zip(plan.rest_slots, plan.causal_offsets)):
-            extend = qo[i + 1] - qo[i]
-            keys = k_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, S, D]
-            values = v_cache.index_select(0, slots).transpose(0, 1).to(q.dtype)
-            # query j (position offset + j within these keys) sees keys 0..offset + j
-            visible = torch.ones(extend, slots.shape[0], dtype=torch.bool, device=q.device).tril(diagonal=offset)
-            qi = q[qo[i]:qo[i + 1]]
+            # kv head j serves query heads j*G..(j+1)*G-1 (HF's repeat_kv): expand it to them
+            keys = k_cache.index_select(0, slots).to(q.dtype).repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+            values = v_cache.index_select(0, slots).to(q.dtype).repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+            qi = q[qo[i]:qo[i + 1]].transpose(0, 1)[None]  # [1, Hq, E, D]
+            oi, li = sp.attend_after_prefix(qi, keys[None], values[None], offset, scale)
+            out[qo[i]:qo[i + 1]] = oi[0].transpose(0, 1)
             if with_lse:
-                mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-                qg = qi.view(extend, hkv, hq // hkv, dim).permute(1, 2, 0, 3)  # [Hkv, G, E, D]
-                oi, li = sp.attend(qg, keys[:, None], values[:, None], scale, mask)
-                out[qo[i]:qo[i + 1]] = oi.permute(2, 0, 1, 3)
-                lse[qo[i]:qo[i + 1]] = li.permute(2, 0, 1, 3)
-            else:
-                oi = F.scaled_dot_product_attention(qi.transpose(0, 1)[None], keys[None], values[None],
-                                                    attn_mask=visible, scale=scale, enable_gqa=hkv != hq)
-                out[qo[i]:qo[i + 1]] = oi[0].transpose(0, 1).view(extend, hkv, hq // hkv, dim)
+                lse[qo[i]:qo[i + 1]] = li[0].transpose(0, 1)
         if not with_lse:
-            return out.view(tokens, hq, dim), None
-        return out, lse
+            return out, None
+        return out.view(tokens, hkv, hq // hkv, dim), lse.view(tokens, hkv, hq // hkv, 1)

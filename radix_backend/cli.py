@@ -14,6 +14,7 @@ EXTERNAL_BENCHES = {  # bench name -> module with main(argv)
     "adapters": "radix_backend.bench.adapters_bench",
     "server": "radix_backend.bench.server_bench",
     "gpu-check": "radix_backend.bench.gpu_check",
+    "peers": "radix_backend.bench.peers",
 }
 CORE_BENCHES = ("few-shot", "multi-turn", "branching", "floor")
 

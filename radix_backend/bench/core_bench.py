@@ -33,7 +33,7 @@ class RunResult:
         return self.completion_tokens / self.wall_s
 
 
-def build_workload(name: str, engine: Engine, quick: bool = False) -> wl.Workload:
+def build_workload(name: str, engine: wl.Encoder, quick: bool = False) -> wl.Workload:
     count = lambda text: len(engine.encode(text))  # noqa: E731
     if name == "few-shot":
         return wl.few_shot(count, num_questions=8 if quick else 32, prefix_tokens=300 if quick else 1000)

@@ -8,8 +8,15 @@ message list, so the engine and the baseline see the same prompts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 Messages = list[dict[str, str]]
+
+
+class Encoder(Protocol):
+    """What workload building needs of an engine: its tokenizer (an Engine or a tokenizer view)."""
+
+    def encode(self, text: str) -> list[int]: ...
 
 FEW_SHOT_EXAMPLES = [
     ("Which planet is known as the Red Planet, and why does it look red from Earth?",
