@@ -33,11 +33,10 @@ from torch import nn
 GROUP_SIZE = 32
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
-# copy streams from memory (measured on a 2-core AVX-512 EPYC, SmolLM2 decode step, int4 vs bf16
-# dense: 85 vs 124 ms at batch 8, 120 vs 147 at 16, 221 vs 219 at 32; prefill of 1024 tokens
-# 2580 vs 1712 ms). In isolation, with the weight in cache, the crossover is ~8 rows:
-# int4 107 vs bf16 166 us at 1 row, 149 vs 178 at 4, 246 vs 189 at 8, for a 3072x576 weight)
-SMALL_BATCH_ROWS = 32
+# copy streams from memory (measured on a 2-core AVX-512 EPYC, SmolLM2 decode step at a 300-token
+# context, int4 vs bf16 dense: 85 vs 124 ms at batch 8, about even at 12-16, 248 vs 227 at 32;
+# prefill of 1024 tokens 2580 vs 1712 ms). With the weight in cache the crossover is ~8 rows.
+SMALL_BATCH_ROWS = 16
 
 
 @dataclass

@@ -1,0 +1,85 @@
+"""`radix-backend bench peers`: the prompt file, the drivers' shared protocol, the report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from radix_backend.bench import peers
+
+
+def fake_result(system: str, few_shot_s: float, prefill: float, b1: float, b32: float | None) -> dict:
+    workload = {"wall_s": few_shot_s, "calls": 2, "prompt_tokens": 10, "cached_tokens": None,
+                "completion_tokens": 4, "texts": ["a", "b"]}
+    return {"system": system, "cpu": "Test CPU", "workloads": {"few-shot": workload},
+            "micro": {"prefill_tok_s": prefill, "decode_b1_tok_s": b1, "decode_b32_tok_s": b32}}
+
+
+def test_ratios_compare_with_the_best_peer_in_the_right_direction():
+    results = {"radix": fake_result("radix-backend", 2.0, 600, 40, 300),
+               "vllm": fake_result("vLLM-cpu", 4.0, 700, 20, 100),
+               "llamacpp": fake_result("llama.cpp", 8.0, 200, 80, None)}
+    assert peers.ratio_vs_best_peer(results, "few-shot", False) == (2.0, "vllm")  # 4 s vs our 2 s
+    assert peers.ratio_vs_best_peer(results, "prefill_tok_s", True) == (600 / 700, "vllm")
+    assert peers.ratio_vs_best_peer(results, "decode_b1_tok_s", True) == (0.5, "llamacpp")
+    assert peers.ratio_vs_best_peer(results, "decode_b32_tok_s", True) == (3.0, "vllm")  # llama.cpp: n/a
+    table = peers.format_table(results)
+    assert "CPU: Test CPU" in table and "2.00x faster (vs vLLM-cpu)" in table and "2.00x slower (vs llama.cpp)" in table
+    results["vllm"]["workloads"]["few-shot"]["texts"] = ["a", "c"]
+    assert peers.agreement(results, "vllm", "few-shot") == "1/2"
+
+
+def test_a_missing_peer_is_skipped_with_its_install_command(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    assert peers.run_peer(peers.PEERS["llamacpp"], plan, tmp_path, tmp_path / "no-peers", 60) is None
+    assert "bash scripts/setup_peer_llamacpp.sh" in capsys.readouterr().out
+
+
+def test_plan_holds_the_same_token_ids_for_every_system(smollm2_checkpoint):
+    from radix_backend.loader import embedded_gguf_path
+
+    plan = peers.build_plan(embedded_gguf_path(), quick=True, decode_tokens=16)
+    assert [w["name"] for w in plan["workloads"]] == ["few-shot", "multi-turn", "branching"]
+    for workload in plan["workloads"]:
+        assert all(isinstance(t, int) for wave in workload["waves"] for ids in wave for t in ids)
+    few_shot = plan["workloads"][0]["waves"][0]
+    shared = min(len(a) for a in few_shot)
+    assert few_shot[0][:100] == few_shot[1][:100] and shared > 100  # one system prompt, many questions
+    assert len(plan["prefill"]["prompt"]) == peers.PREFILL_TOKENS
+    assert len(plan["decode"]["prompts"]) == max(peers.DECODE_BATCHES)
+    assert len({tuple(p) for p in plan["decode"]["prompts"]}) == len(plan["decode"]["prompts"])
+    assert Path(plan["model_dir"]) == smollm2_checkpoint.path
+
+
+def test_radix_driver_runs_a_plan_in_its_own_process(tmp_path, tiny_llama_dir, smollm2_tokenizer):
+    prompts = [smollm2_tokenizer.encode(f"Question {i}: what is {i} plus {i}?") for i in range(4)]
+    plan = {"model_gguf": str(tiny_llama_dir), "context_tokens": 512, "eos_token_ids": [0],
+            "radix_engine_args": {"kv_cache_tokens": 2048},
+            "workloads": [{"name": "few-shot", "max_new_tokens": 4, "waves": [prompts[:2], prompts[2:]]}],
+            "prefill": {"prompt": prompts[0] * 4}, "decode": {"batch_sizes": [1, 2], "prompts": prompts,
+                                                             "max_new_tokens": 5}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    done = subprocess.run([sys.executable, str(peers.DRIVERS / "run_radix.py"), str(tmp_path / "plan.json"),
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300,
+                          cwd=str(peers.DRIVERS))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    workload = result["workloads"]["few-shot"]
+    assert workload["calls"] == 4 and len(workload["texts"]) == 4 and workload["completion_tokens"] > 0
+    assert workload["cached_tokens"] is not None
+    assert result["micro"]["prefill_tok_s"] > 0 and result["micro"]["decode_b2_tok_s"] > 0
+    assert result["cpu"] and "radix-backend" in result["version"]
+
+
+@pytest.mark.parametrize("script", ["run_llamacpp.py", "run_vllm.py", "run_radix.py"])
+def test_drivers_import_nothing_of_the_package(script):
+    """They run inside the peers' venvs, where radix_backend is not installed."""
+    source = (peers.DRIVERS / script).read_text()
+    imports = [line for line in source.splitlines() if line.lstrip().startswith(("import ", "from "))]
+    assert not [line for line in imports if "radix_backend" in line and script != "run_radix.py"]
+    assert any("driver_protocol" in line for line in imports)
