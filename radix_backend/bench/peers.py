@@ -57,7 +57,7 @@ class PromptTokenizer:
         return self.encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
-def build_plan(gguf: Path, quick: bool, decode_tokens: int) -> dict[str, Any]:
+def build_plan(gguf: Path, quick: bool, decode_tokens: int, repeats: int = 2) -> dict[str, Any]:
     """The prompt file: every system gets exactly these token ids."""
     checkpoint = resolve_checkpoint(gguf)
     tok = PromptTokenizer(checkpoint)
@@ -73,7 +73,7 @@ def build_plan(gguf: Path, quick: bool, decode_tokens: int) -> dict[str, Any]:
     return {
         "model_gguf": str(gguf), "model_dir": str(checkpoint.path), "context_tokens": 4096,
         "eos_token_ids": eos if isinstance(eos, list) else [eos],
-        "workloads": workloads,
+        "workloads": workloads, "repeats": 1 if quick else repeats,
         "prefill": {"prompt": tok.encode(long_text)[:PREFILL_TOKENS]},
         "decode": {"batch_sizes": list(DECODE_BATCHES), "prompts": decode_prompts,
                    "max_new_tokens": 8 if quick else decode_tokens},
@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="radix,vllm,llamacpp", help="comma list of radix, vllm, llamacpp")
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run, not a measurement)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode measures")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per workload; the fastest counts")
     parser.add_argument("--out", default="bench-results/peers", help="folder for the plan, results, table and plot")
     parser.add_argument("--peers-dir", default=".peers", help="folder holding the peers' venvs")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one system may take")
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model must be a .gguf file: llama.cpp loads it as is, vLLM its converted HF copy")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    plan = build_plan(gguf, args.quick, args.decode_tokens)
+    plan = build_plan(gguf, args.quick, args.decode_tokens, args.repeats)
     assert gguf_cache_path(gguf) == Path(plan["model_dir"])  # vLLM loads the converted copy of this GGUF
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
