@@ -108,7 +108,7 @@ def test_smollm2_auto_runs_the_gguf_weights_in_int4():
         for prompt in prompts:
             ids = eng.encode(eng.apply_chat_template([{"role": "user", "content": prompt}]))
             got, want = eng.next_token_logits(ids), ref.next_token_logits(ids)
-            assert relative_error(got, want) < 0.08  # bf16 activations; measured in BENCHMARKS.md
+            assert relative_error(got, want) < 0.04  # bf16 activations: measured 0.8-1.6 % (BENCHMARKS.md)
         msgs = [[{"role": "user", "content": p}] for p in prompts]
         cold = [o.token_ids for o in eng.generate(messages=msgs, params=params)]
         warm = [o.token_ids for o in eng.generate(messages=msgs, params=params)]

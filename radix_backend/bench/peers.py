@@ -170,7 +170,7 @@ def plot(results: dict[str, dict], path: Path) -> bool:
         print("no plot: matplotlib is missing (pip install 'radix-backend[bench]')")
         return False
     names = [n for n in PEERS if n in results]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(names)
     for i, n in enumerate(names):
         speeds = []
@@ -187,7 +187,7 @@ def plot(results: dict[str, dict], path: Path) -> bool:
                   rotation=20, ha="right")
     ax.set_ylabel("speed relative to the fastest (1.0 = fastest)")
     ax.set_title(f"Same prompt token ids, one run — {next(iter(results.values()))['cpu']}", fontsize=9)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
