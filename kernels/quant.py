@@ -92,11 +92,11 @@ class _LowBitLinear(nn.Module):
 
     small_batch_rows: int
 
-    def __init__(self, dense_weight: torch.Tensor, bias: torch.Tensor | None, dense_dtype: torch.dtype | None) -> None:
+    def __init__(self, shape: torch.Size, bias: torch.Tensor | None, dense_weight: torch.Tensor | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = dense_weight.shape
+        self.out_features, self.in_features = shape
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.register_buffer("dense_weight", None if dense_dtype is None else dense_weight.to(dense_dtype).contiguous())
+        self.register_buffer("dense_weight", None if dense_weight is None else dense_weight.contiguous())
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -117,7 +117,7 @@ class Int4Linear(_LowBitLinear):
     small_batch_rows = SMALL_BATCH_ROWS
 
     def __init__(self, q: Int4Codes, bias: torch.Tensor | None = None, dense_dtype: torch.dtype | None = None) -> None:
-        super().__init__(q.dequantize() if dense_dtype is not None else q.codes, bias, dense_dtype)
+        super().__init__(q.codes.shape, bias, None if dense_dtype is None else q.dequantize().to(dense_dtype))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.codes, 1))
         zero = q.minimum + 8 * q.scale  # the kernel dequantizes (q - 8) * scale + zero
         scales_and_zeros = torch.stack([q.scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
@@ -140,7 +140,8 @@ class Int8Linear(_LowBitLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  dense_dtype: torch.dtype | None = None) -> None:
         codes, scale = int8_rows(weight)
-        super().__init__(codes.float() * scale[:, None], bias, dense_dtype)
+        dense = None if dense_dtype is None else (codes.float() * scale[:, None]).to(dense_dtype)
+        super().__init__(codes.shape, bias, dense)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale.to(KERNEL_DTYPE))
 

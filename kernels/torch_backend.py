@@ -30,7 +30,7 @@ class _Plan:
     group_rows: list[torch.Tensor]  # per group: its members' query rows, in token order
     padded: bool
     # padded layout: query row and key slot per (request, position), validity as an additive mask
-    query_rows: torch.Tensor | None  # [B, Emax] int64 (decode: None, row i is request i)
+    query_rows: torch.Tensor | None  # [B, Emax] int64 row of q for each (request, new token)
     key_slots: torch.Tensor | None  # [B, Lmax] int64
     mask: torch.Tensor | None  # [B, 1, Emax, Lmax] fp32, 0 or -inf
     valid_rows: torch.Tensor | None  # [B * Emax] bool: padded positions that are real tokens

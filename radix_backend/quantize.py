@@ -56,48 +56,50 @@ def validate_mode(mode: str) -> str:
 def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torch.device,
                    dtype: torch.dtype, tp_size: int = 1) -> QuantizationReport:
     """Replace the model's linears in place as `mode` says; returns what was done."""
-    validate_mode(mode)
-    if mode == "none":
-        return QuantizationReport("none", "quantization='none'", weight_bytes=weight_bytes(model))
-    blocker = _unsupported(device, dtype, tp_size)
-    if blocker:
-        if mode == "auto":
-            return QuantizationReport("none", f"auto: {blocker}", weight_bytes=weight_bytes(model))
-        raise ValueError(f"quantization={mode!r} is not available: {blocker}")
-    if mode == "auto":
-        report = _auto(model, from_gguf)
-        report.weight_bytes = weight_bytes(model)
-        return report
-    if mode == "int4":
-        report = QuantizationReport("int4", "quantization='int4'", dense_dtype=quant.dense_dtype_for_large_batches())
-        _apply_int4(model, {name: quant.q4_1_codes(lin.weight) for name, lin in _linears(model)}, report)
-    else:
-        report = QuantizationReport("int8", "quantization='int8'", dense_dtype=quant.dense_dtype_for_large_batches())
-        for name, lin in _linears(model):
-            _replace(model, name, quant.Int8Linear(lin.weight, lin.bias, report.dense_dtype))
-            report.layers += 1
-    _quantize_lm_head(model, report)
+    report, codes = _decide(model, validate_mode(mode), from_gguf, _unsupported(device, dtype, tp_size))
+    if report.mode != "none":
+        report.dense_dtype = quant.dense_dtype_for_large_batches()
+        linears = _linears(model)
+        exact: list[bool] = []  # per int4 layer: its codes reproduce the loaded weights bit for bit
+        for name, lin in linears:
+            if report.mode == "int4":
+                q = codes.get(name) or quant.q4_1_codes(lin.weight)
+                exact.append(q.exact)
+                layer = quant.Int4Linear(q, lin.bias, report.dense_dtype)
+            else:
+                layer = quant.Int8Linear(lin.weight, lin.bias, report.dense_dtype)
+            _replace(model, name, layer)
+        report.layers = len(linears)
+        report.lossless = bool(exact) and all(exact)
+        # the LM head as int8 rows (GGUF stores it as Q8_0); the fp embedding table stays for lookups
+        model.lm_head_quant = quant.Int8Linear(model.lm_head_weight, dense_dtype=report.dense_dtype)
     report.weight_bytes = weight_bytes(model)
     return report
 
 
-def _auto(model: nn.Module, from_gguf: bool) -> QuantizationReport:
+def _decide(model: nn.Module, mode: str, from_gguf: bool,
+            blocker: str | None) -> tuple[QuantizationReport, dict[str, quant.Int4Codes]]:
+    """The mode to apply and, for "auto", the int4 codes it already derived (checked exact)."""
+    if mode == "none":
+        return QuantizationReport("none", "quantization='none'"), {}
+    if blocker:
+        if mode == "auto":
+            return QuantizationReport("none", f"auto: {blocker}"), {}
+        raise ValueError(f"quantization={mode!r} is not available: {blocker}")
+    if mode != "auto":
+        return QuantizationReport(mode, f"quantization={mode!r}"), {}
     if not from_gguf:
-        return QuantizationReport("none", "auto: fp checkpoint (pass quantization='int8' or 'int4' to quantize it)")
+        return QuantizationReport("none", "auto: fp checkpoint (pass quantization='int8' or 'int4' to quantize it)"), {}
     codes = {}
     for name, lin in _linears(model):
         q = quant.q4_1_codes(lin.weight)
         if not q.exact:
-            return QuantizationReport("none", f"auto: GGUF weights of {name} are not 4-bit groups of 32")
+            return QuantizationReport("none", f"auto: GGUF weights of {name} are not 4-bit groups of 32"), {}
         codes[name] = q
     speedup = quant.int4_kernel_speedup()
     if speedup < AUTO_MIN_SPEEDUP:
-        return QuantizationReport("none", f"auto: int4 kernel only {speedup:.2f}x fp32 on this CPU")
-    report = QuantizationReport("int4", f"auto: lossless Q4_1 weights, int4 kernel {speedup:.1f}x fp32 here",
-                                dense_dtype=quant.dense_dtype_for_large_batches())
-    _apply_int4(model, codes, report)
-    _quantize_lm_head(model, report)
-    return report
+        return QuantizationReport("none", f"auto: int4 kernel only {speedup:.2f}x fp32 on this CPU"), {}
+    return QuantizationReport("int4", f"auto: lossless Q4_1 weights, int4 kernel {speedup:.1f}x fp32 here"), codes
 
 
 def _unsupported(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
@@ -108,19 +110,6 @@ def _unsupported(device: torch.device, dtype: torch.dtype, tp_size: int) -> str 
     if tp_size != 1:
         return "tensor parallelism shards fp weights"
     return None
-
-
-def _apply_int4(model: nn.Module, codes: dict[str, quant.Int4Codes], report: QuantizationReport) -> None:
-    bias = {name: lin.bias for name, lin in _linears(model)}
-    for name, q in codes.items():
-        _replace(model, name, quant.Int4Linear(q, bias[name], report.dense_dtype))
-    report.layers = len(codes)
-    report.lossless = all(q.exact for q in codes.values())
-
-
-def _quantize_lm_head(model: nn.Module, report: QuantizationReport) -> None:
-    """The LM head as int8 rows (GGUF stores it as Q8_0); the fp embedding table stays for lookups."""
-    model.lm_head_quant = quant.Int8Linear(model.lm_head_weight, dense_dtype=report.dense_dtype)
 
 
 def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:

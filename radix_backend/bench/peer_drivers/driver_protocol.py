@@ -14,7 +14,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -115,6 +115,3 @@ def main(run: Callable[[dict], dict]) -> None:
     with open(sys.argv[2], "w") as handle:
         json.dump(result, handle)
 
-
-def as_dicts(results: list[CallResult]) -> list[dict]:
-    return [asdict(r) for r in results]

@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -99,4 +98,4 @@ def run(plan: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main(run))
+    main(run)
