@@ -6,12 +6,14 @@ always parses and validates.
 
 import json
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 import radix_backend.lang as sgl
 
 
 class Person(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a closed schema: exactly these keys, nothing invented
+
     name: str
     age: int
     city: str
@@ -21,7 +23,7 @@ class Person(BaseModel):
 def extract(s, text):
     s += sgl.system("Extract the person described by the user as JSON.")
     s += sgl.user(text)
-    s += sgl.assistant(sgl.gen("person", max_tokens=48, json_schema=Person.model_json_schema()))
+    s += sgl.assistant(sgl.gen("person", max_tokens=64, json_schema=Person.model_json_schema()))
 
 
 def main() -> None:
