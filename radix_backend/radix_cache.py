@@ -251,51 +251,57 @@ class RadixCache:
         self.evicted_tokens_total += evicted
         return evicted
 
-    # --- request helpers (the scheduler's two hand-over points) -------------------------------
+    # --- request hand-over: the scheduler's only way to give KV to the tree --------------------
+    #
+    # A request's KV, by index into its `slots` (`slots[i]` holds the KV of `token_ids[i]`),
+    # n = len(slots), aligned = n rounded down to whole pages, already = tokens the tree held
+    # before this call (returned by `insert`):
+    #
+    #   [0, prefix_len)        the tree's own, on the path locked at `last_node` (from match_prefix)
+    #   [prefix_len, already)  the request's copies of tokens another request inserted meanwhile:
+    #                          FREED, the tree's copies stay
+    #   [already, aligned)     new to the tree: INSERTED, the tree owns them from now on
+    #   [aligned, n)           the unaligned tail (page_size > 1): FREED when finished, KEPT by
+    #                          the request when unfinished
+    #
+    # finished: the lock on `last_node` is dropped. unfinished: the lock moves to the node that
+    # ends at `aligned`, and the request continues with the tree's [0, aligned) + its own tail.
+    # With the tree disabled nothing is inserted: finished frees all of [prefix_len, n),
+    # unfinished changes nothing.
+
     def cache_finished(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int,
                        last_node: TreeNode) -> int:
-        """Hand a finished (or aborted) request's KV to the tree and drop its lock.
-
-        `slots[i]` holds the KV of `token_ids[i]`; `slots[:prefix_len]` came from `match_prefix`
-        with `last_node`, which this request locked. Duplicate slots (tokens another request
-        cached meanwhile) and the unaligned tail are freed. Returns tokens newly cached.
-        """
-        n = int(slots.numel())
-        if self.disable:
-            self.allocator.free(slots[prefix_len:])
-            return 0
-        aligned = n - n % self.page_size
-        already = self.insert(list(token_ids[:aligned]), slots[:aligned])
-        if already < prefix_len:
-            raise SlotAccountingError(f"locked prefix of {prefix_len} tokens shrank to {already}")
-        self.allocator.free(slots[prefix_len:already])
+        """Hand a finished, aborted or retracted request's KV to the tree and drop its lock.
+        Returns the tokens newly cached."""
+        aligned, already = self._insert_request_kv(token_ids, slots, prefix_len)
         self.allocator.free(slots[aligned:])
         self.dec_lock_ref(last_node)
-        return aligned - already
+        return 0 if self.disable else aligned - already
 
     def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int,
                          last_node: TreeNode) -> RequestKV:
-        """Cache a still-running request's KV so far (chunked prefill) and move its lock forward.
-
-        Same arguments as `cache_finished`. The request keeps its unaligned tail; its duplicate
-        slots are freed and replaced by the tree's. Use the returned slots/prefix_len/last_node.
-        """
+        """Cache a still-running request's KV so far (after a prefill chunk) and move its lock
+        forward. Use the returned slots / prefix_len / last_node from then on."""
         if self.disable:
             return RequestKV(slots, prefix_len, last_node)
-        n = int(slots.numel())
-        aligned = n - n % self.page_size
-        key = list(token_ids[:aligned])
-        already = self.insert(key, slots[:aligned])
-        if already < prefix_len:
-            raise SlotAccountingError(f"locked prefix of {prefix_len} tokens shrank to {already}")
-        self.allocator.free(slots[prefix_len:already])
-        match = self.match_prefix(key)
+        aligned, _ = self._insert_request_kv(token_ids, slots, prefix_len)
+        match = self.match_prefix(token_ids[:aligned])
         if len(match) != aligned:
             raise SlotAccountingError(f"re-match after insert found {len(match)} of {aligned} tokens")
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(last_node)
         new_slots = torch.cat((match.slots, slots[aligned:].to(match.slots.device)))
         return RequestKV(new_slots, aligned, match.last_node)
+
+    def _insert_request_kv(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int) -> tuple[int, int]:
+        """Insert [0, aligned) and free the request's duplicates [prefix_len, already)."""
+        n = int(slots.numel())
+        aligned = n - n % self.page_size
+        already = self.insert(token_ids[:aligned], slots[:aligned])
+        if already < prefix_len:
+            raise SlotAccountingError(f"locked prefix of {prefix_len} tokens shrank to {already}")
+        self.allocator.free(slots[prefix_len:already])
+        return aligned, already
 
     # --- debugging --------------------------------------------------------------------------
     def pretty_print(self, max_tokens: int = 8) -> str:

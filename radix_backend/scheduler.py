@@ -319,29 +319,17 @@ class Scheduler:
             req.kv_len = req.cached_len = 0
 
     def _cache_req(self, req: Req, finished: bool) -> None:
-        """Hand the request's computed KV to the tree (SGLang cache_finished/unfinished_req)."""
-        if self.tree.disable and not finished:
-            return  # nothing is shared; the request keeps its own slots until it finishes
+        """Hand the request's computed KV to the tree (RadixCache.cache_finished / cache_unfinished
+        say which slots are freed, inserted or kept)."""
         tokens = req.fill_ids[:req.kv_len]
-        aligned = req.kv_len // self.page_size * self.page_size
-        already = self.tree.insert(tokens[:aligned], req.slots[:aligned])
-        if already > req.cached_len:
-            self.allocator.free(req.slots[req.cached_len:already])  # duplicates of what the tree has
-        old_node = req.last_node
         if finished:
-            if aligned < req.kv_len:
-                self.allocator.free(req.slots[aligned:req.kv_len])
-            self.tree.dec_lock_ref(old_node)
+            self.tree.cache_finished(tokens, req.slots, req.cached_len, req.last_node)
             req.last_node = None
             req.slots = torch.empty(0, dtype=torch.int64)
             req.kv_len = req.cached_len = 0
             return
-        m = self.tree.match_prefix(tokens[:aligned])
-        self.tree.inc_lock_ref(m.last_node)
-        self.tree.dec_lock_ref(old_node)
-        req.last_node = m.last_node
-        req.slots = torch.cat([m.slots.to(torch.int64), req.slots[aligned:req.kv_len]])
-        req.cached_len = aligned
+        kv = self.tree.cache_unfinished(tokens, req.slots, req.cached_len, req.last_node)
+        req.slots, req.cached_len, req.last_node = kv.slots.to(torch.int64), kv.prefix_len, kv.last_node
 
     def _retract(self, req: Req) -> None:
         """Preempt under memory pressure: keep its computed KV in the tree, requeue it first."""

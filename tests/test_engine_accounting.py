@@ -140,3 +140,31 @@ def test_disabled_radix_cache_with_chunked_prefill(tiny_llama_dir, engine):
 def test_params_of_the_wrong_type_is_a_typed_error(engine):
     with pytest.raises(InvalidRequestError, match="SamplingParams"):
         engine.generate("hi", {"max_new_tokens": 4})
+
+
+def test_engine_hands_kv_to_the_tree_through_the_cache_methods(tiny_llama_dir, monkeypatch):
+    """The hand-over the property tests in test_radix_cache.py exercise is the one the engine runs:
+    chunked prefill calls cache_unfinished, finishing calls cache_finished, and nothing else
+    inserts into the tree."""
+    from radix_backend.radix_cache import RadixCache
+
+    calls: list[str] = []
+    for name in ("cache_finished", "cache_unfinished"):
+        original = getattr(RadixCache, name)
+        monkeypatch.setattr(RadixCache, name, lambda self, *a, _f=original, _n=name: (calls.append(_n), _f(self, *a))[1])
+    inserts_outside: list[int] = []
+    original_insert = RadixCache.insert
+
+    def insert(self, token_ids, slots):
+        import inspect
+        if inspect.stack()[1].function != "_insert_request_kv":
+            inserts_outside.append(len(token_ids))
+        return original_insert(self, token_ids, slots)
+
+    monkeypatch.setattr(RadixCache, "insert", insert)
+    with Engine(str(tiny_llama_dir), kv_cache_tokens=2048, chunked_prefill_tokens=8, debug_slots=True) as eng:
+        out = eng.generate(_prompts(1, seed=5)[0] + " and more words to chunk", GREEDY)
+        assert out.meta.completion_tokens == 8
+        assert "cache_unfinished" in calls and calls[-1] == "cache_finished"
+        assert not inserts_outside
+        assert _all_free(eng)
