@@ -3,9 +3,10 @@
 The engine owns one `ConstraintCompiler` per tokenizer. At submit time `compile(params)` turns the
 request's constraint into a per-request `TokenConstraint` (an llguidance matcher) or raises
 `ConstraintError`, so a bad constraint fails that request alone, before it is scheduled. During
-decoding the sampler asks each constraint for its allowed-token bitmask, masks the logits with
-`apply_bitmask`, samples, `advance`s the matcher, and appends `forced_tokens()` (jump-forward)
-without spending decode steps on them.
+decoding the scheduler makes two calls per step: `mask_logits` before sampling (each constrained
+row's allowed-token bitmask applied to its logits) and `advance` after it (the matcher consumes the
+sampled token, then the tokens the grammar forces are appended at once: jump-forward, no decode
+steps spent on them).
 
 Compiled grammars are cached: a matcher built once per distinct constraint is deep-copied for each
 request, so a batch of 32 identical JSON-schema requests compiles the schema once.
@@ -19,7 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 import llguidance.hf
@@ -27,6 +28,9 @@ import torch
 
 from .errors import ConstraintError
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .request import Req
 
 logger = logging.getLogger(__name__)
 
@@ -369,3 +373,41 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     else:
         sub = logits.index_select(0, idx).masked_fill_(disallowed, float("-inf"))
         logits.index_copy_(0, idx, sub)
+
+
+# ---- the scheduler's interface: one call before sampling, one after -------------------------------
+def mask_logits(logits: torch.Tensor, constraints: Sequence[TokenConstraint | None]) -> None:
+    """Set to -inf, in place, every token a row's constraint forbids (row i: constraints[i])."""
+    items = [(c, i) for i, c in enumerate(constraints) if c is not None]
+    if not items:
+        return
+    import llguidance.torch as lt
+
+    bitmask = lt.allocate_token_bitmask(len(constraints), items[0][0].vocab_size)
+    fill_bitmasks(items, bitmask)
+    apply_bitmask(logits, bitmask, [i for _, i in items])
+
+
+def advance(req: Req, token: int, *, jump_forward: bool) -> None:
+    """After `token` was appended to a constrained request: move its matcher past the token and,
+    with `jump_forward`, append the tokens the grammar now forces. No-op without a constraint."""
+    c = req.constraint
+    if c is None or req.finished:
+        return  # an EOS the grammar allowed has already finished the request
+    c.advance(token)
+    if c.is_finished():
+        req.finish_reason = req.finish_reason or "stop"
+    elif jump_forward:
+        append_forced_tokens(req)
+
+
+def append_forced_tokens(req: Req) -> None:
+    """Append the tokens the grammar forces from here; they need no decode step of their own."""
+    forced = req.constraint.forced_tokens()
+    for i, tok in enumerate(forced):
+        req.append_token(tok)
+        if req.finished:
+            req.constraint.rollback(len(forced) - i - 1)  # keep the matcher in step with the output
+            return
+    if req.constraint.is_finished():
+        req.finish_reason = "stop"

@@ -126,7 +126,6 @@ class Engine:
             if self._compiler is None:
                 from .constrained import ConstraintCompiler
                 self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-                self.scheduler.bitmask_factory = self._compiler.allocate_bitmask
             return self._compiler
 
     # ---- request building ---------------------------------------------------------------------

@@ -149,6 +149,9 @@ class Req:
     input_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
     text: str = ""
+    detok_prefix_offset: int = 0  # output_ids[prefix:read] were detokenized last time, as context
+    detok_read_offset: int = 0  # output_ids before this are in `detok_text` for good
+    detok_text: str = ""  # text of output_ids[:read_offset]; `text` may add a pending tail
     sent_text_len: int = 0
     sent_token_len: int = 0
     meta: RequestMeta = field(default_factory=RequestMeta)
@@ -186,6 +189,10 @@ class Req:
         return self.finish_reason is not None
 
     # -- finishing rules ----------------------------------------------------------------------
+    def append_token(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.check_token_stop(token)
+
     def check_token_stop(self, token: int) -> None:
         """Finish on EOS / stop ids / length / context after appending `token`."""
         p = self.params
@@ -196,11 +203,28 @@ class Req:
         elif len(self.output_ids) >= p.max_new_tokens or self.seq_len >= self.max_total_tokens:
             self.finish_reason = "length"
 
-    def update_text(self, decode: Callable[[list[int]], str]) -> None:
-        """Re-detokenize the output and apply stop strings (the text is cut before the stop)."""
-        self.text = decode(self.output_ids)
+    def detokenize(self, decode: Callable[[list[int]], str]) -> None:
+        """Bring `text` up to date with `output_ids` and apply stop strings (cut before the stop).
+
+        Incremental, as in vLLM and SGLang: decode the tokens read last time (as context) with and
+        without the new ones; the difference is the new text. Decoding with context keeps tokenizers
+        that drop a leading space right, and the work per token stays constant (re-decoding the
+        whole output each token is quadratic). A new tail ending in an incomplete UTF-8 character
+        stays pending (not committed) until later tokens complete it.
+        """
+        if isinstance(self.matched_stop, str):
+            return  # cut at a stop string already; later tokens are not text
+        ids = self.output_ids
+        context = decode(ids[self.detok_prefix_offset:self.detok_read_offset])
+        full = decode(ids[self.detok_prefix_offset:])
+        new = full[len(context):]
+        searched = len(self.detok_text)
+        self.text = self.detok_text + new
+        if new and not new.endswith("\ufffd"):
+            self.detok_text = self.text
+            self.detok_prefix_offset, self.detok_read_offset = self.detok_read_offset, len(ids)
         for stop in self.params.stop:
-            idx = self.text.find(stop, max(0, self.sent_text_len - len(stop)))
+            idx = self.text.find(stop, max(0, searched - len(stop) + 1))
             if idx != -1:
                 self.text = self.text[:idx]
                 if self.finish_reason is None or self.finish_reason == "length":

@@ -21,19 +21,15 @@ from typing import Callable
 
 import torch
 
+from . import constrained
+from .admission import PrefillAdder, StepBudget, needs_match_to_order, order_waiting, validate_policy
 from .errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
 from .model_runner import ForwardInput, ModelRunner
-from .radix_cache import RadixCache, common_prefix_len
+from .radix_cache import RadixCache
 from .request import Req
 from .sampling import SamplerRow, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
-
-SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
-DECODE_RESERVE_TOKENS = 16  # per running request, kept free when admitting new prompts
-IN_BATCH_PREFIX_TOKENS = 8  # a waiting request sharing this many uncached tokens with one being
-# prefilled now waits one step, so it reuses that prefix instead of computing it again (SGLang's
-# in-batch prefix caching check)
 
 
 @dataclass
@@ -63,8 +59,7 @@ class Scheduler:
     def __init__(self, runner: ModelRunner, *, decode: Callable[[list[int], bool], str], page_size: int = 1,
                  schedule_policy: str = "lpm", max_running_requests: int = 64, chunked_prefill_tokens: int = 2048,
                  disable_radix_cache: bool = False, enable_jump_forward: bool = True, debug_slots: bool = False) -> None:
-        if schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
+        validate_policy(schedule_policy)
         if chunked_prefill_tokens < 1:
             raise ValueError(f"chunked_prefill_tokens must be >= 1, got {chunked_prefill_tokens}")
         self.runner = runner
@@ -74,13 +69,11 @@ class Scheduler:
         self.max_running = max_running_requests
         self.prefill_budget = chunked_prefill_tokens
         self.enable_jump_forward = enable_jump_forward
-        self.bitmask_factory: Callable[[int], torch.Tensor] | None = None  # set by the engine with constraints
         self.allocator = runner.kv_pool.make_allocator(debug=debug_slots)
         self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_radix_cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
-        self._budget = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="radix-scheduler", daemon=True)
@@ -92,8 +85,8 @@ class Scheduler:
         if self._stop.is_set():
             raise EngineShutdownError("the engine is shut down; create a new Engine")
         if req.constraint is not None and self.enable_jump_forward:
-            self._jump_forward(req)  # tokens the grammar forces up front join the prompt's prefill
-            req.update_text(lambda ids: self.decode(ids, req.params.skip_special_tokens))
+            constrained.append_forced_tokens(req)  # tokens the grammar forces up front join the prompt's prefill
+            self._detokenize(req)
         self._inbox.put(("add", req))
 
     def abort(self, rid: str) -> None:
@@ -172,9 +165,9 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
     def _step(self) -> None:
         batch = _Batch()
-        self._budget = self.prefill_budget
-        self._schedule_running(batch)
-        self._schedule_waiting(batch)
+        budget = StepBudget(self.prefill_budget, self.page_size)
+        self._schedule_running(batch, budget)
+        self._schedule_waiting(batch, budget)
         if not batch.reqs:
             if self.waiting and not self.running:
                 self._fail_unschedulable()
@@ -191,7 +184,7 @@ class Scheduler:
         self.stats.forward_steps += 1
         self._process_results(batch, logits)
 
-    def _schedule_running(self, batch: _Batch) -> None:
+    def _schedule_running(self, batch: _Batch, budget: StepBudget) -> None:
         """Every running request computes its pending tokens (1 when decoding; the next chunk
         when its prompt is still being prefilled); retract others when KV runs out."""
         for req in sorted(self.running, key=lambda r: r.submit_time):
@@ -199,7 +192,7 @@ class Scheduler:
                 continue  # retracted while making room for an earlier one
             n = req.pending_tokens
             if n > 1:  # still prefilling a chunked prompt (or forced tokens): within the budget
-                n = self._chunk_len(req)
+                n = budget.chunk_len(n)
                 if n <= 0:
                     continue
             slots = self._alloc(req, n)
@@ -214,66 +207,34 @@ class Scheduler:
                 self._retract(req)
                 continue
             if n > 1:
-                self._budget -= n
+                budget.spend(n)
             batch.add(req, slots, n)
 
-    def _chunk_len(self, req: Req) -> int:
-        """Prefill tokens this request may compute now under the step's token budget."""
-        n = min(req.pending_tokens, self._budget)
-        if n < req.pending_tokens and self.page_size > 1:
-            n = n // self.page_size * self.page_size
-        return n
-
-    def _schedule_waiting(self, batch: _Batch) -> None:
-        self._order_waiting()
-        reserve = DECODE_RESERVE_TOKENS * len(self.running)
-        admitted: list[Req] = []
-        prefilling = [r.fill_ids for r in self.running if r.kv_len < len(r.prompt_ids)]
+    def _schedule_waiting(self, batch: _Batch, budget: StepBudget) -> None:
+        if needs_match_to_order(self.policy, len(self.waiting)):
+            for req in self.waiting:
+                if req.last_node is None:
+                    self._match(req)
+        self.waiting = deque(order_waiting(self.waiting, self.policy))
+        adder = PrefillAdder(budget, self.running, self.max_running)
         for req in list(self.waiting):
-            if self._budget <= 0 or len(self.running) + len(admitted) >= self.max_running:
+            if not adder.has_room():
                 break
             if req.last_node is None:
                 self._match(req)
-            if self._shares_uncached_prefix(req, prefilling):
+            if adder.should_defer(req):
                 continue
-            n = self._chunk_len(req)
-            if n <= 0 or self._available() - reserve < n:
-                break  # not enough budget / KV now; keep the order (no starvation of long prompts)
-            slots = self._alloc(req, n)
+            n = adder.admissible_len(req, self._available())
+            slots = self._alloc(req, n) if n else None
             if slots is None:
                 break
-            self._budget -= n
-            admitted.append(req)
-            prefilling.append(req.fill_ids)
+            adder.admit(req, n)
             batch.add(req, slots, n)
-        for req in admitted:
+        for req in adder.admitted:
             self.waiting.remove(req)
             self.running.append(req)
         for req in self.waiting:  # unlock matches of requests that stay waiting; re-match next step
             self._release_match(req)
-
-    @staticmethod
-    def _shares_uncached_prefix(req: Req, prefilling: list[list[int]]) -> bool:
-        """Would admitting `req` now recompute a prefix another request is computing right now?"""
-        if not prefilling:
-            return False
-        ids = req.fill_ids[:req.max_prefix_len]
-        return any(common_prefix_len(ids, other) - req.cached_len >= IN_BATCH_PREFIX_TOKENS for other in prefilling)
-
-    def _order_waiting(self) -> None:
-        if self.policy == "fcfs" or len(self.waiting) <= 1:
-            return
-        for req in self.waiting:
-            if req.last_node is None:
-                self._match(req)
-        if self.policy == "lpm":
-            ordered = sorted(self.waiting, key=lambda r: -r.cached_len)
-        else:  # dfs-weight: group by the deepest shared tree node, heaviest subtree first
-            weight: dict[int, int] = {}
-            for r in self.waiting:
-                weight[id(r.last_node)] = weight.get(id(r.last_node), 0) + 1
-            ordered = sorted(self.waiting, key=lambda r: (-weight[id(r.last_node)], -r.cached_len))
-        self.waiting = deque(ordered)
 
     def _fail_unschedulable(self) -> None:
         """Nothing runs and the head request cannot get KV even with an empty tree: fail it."""
@@ -424,14 +385,9 @@ class Scheduler:
         reqs = [r for r, _ in items]
         rows_idx = [i for _, i in items]
         raw = logits if rows_idx == list(range(logits.shape[0])) else logits[torch.tensor(rows_idx, device=logits.device)]
-        constrained = [i for i, r in enumerate(reqs) if r.constraint is not None]
-        modifies = constrained or any(r.params.has_penalties for r in reqs)
+        modifies = any(r.constraint is not None or r.params.has_penalties for r in reqs)
         work = raw.clone() if modifies and any(r.params.logprobs for r in reqs) else raw
-        if constrained:
-            from .constrained import apply_bitmask, fill_bitmasks
-            mask = self.bitmask_factory(len(reqs))
-            fill_bitmasks([(reqs[i].constraint, i) for i in constrained], mask)
-            apply_bitmask(work, mask, constrained)
+        constrained.mask_logits(work, [r.constraint for r in reqs])
         rows = [SamplerRow(r.params, r.output_ids, r.prompt_ids, r.generator) for r in reqs]
         tokens = sample(work, rows)
         if any(r.params.logprobs for r in reqs):
@@ -443,40 +399,16 @@ class Scheduler:
             req.meta.decode_steps += 1
             if req.params.logprobs:
                 req.output_logprobs.append(lps[i])
-            self._append_token(req, tok)
-            if req.constraint is not None and not req.finished:
-                try:
-                    self._advance_constraint(req, tok)
-                except Exception as exc:  # a grammar-engine error fails this request only
-                    req.error = exc
-            req.update_text(lambda ids, r=req: self.decode(ids, r.params.skip_special_tokens))
+            req.append_token(tok)
+            try:
+                constrained.advance(req, tok, jump_forward=self.enable_jump_forward)
+            except Exception as exc:  # a grammar-engine error fails this request only
+                req.error = exc
+            self._detokenize(req)
         self.stats.generated_tokens += len(tokens)
 
-    def _append_token(self, req: Req, tok: int) -> None:
-        req.output_ids.append(tok)
-        req.check_token_stop(tok)
-
-    def _advance_constraint(self, req: Req, tok: int) -> None:
-        c = req.constraint
-        if tok in req.eos_token_ids and not req.params.ignore_eos:
-            return  # EOS was allowed by the grammar: already finished by check_token_stop
-        c.advance(tok)
-        if c.is_finished():
-            req.finish_reason = req.finish_reason or "stop"
-            return
-        if self.enable_jump_forward:
-            self._jump_forward(req)
-
-    def _jump_forward(self, req: Req) -> None:
-        """Append the tokens the grammar forces from here; they need no decode step of their own."""
-        forced = req.constraint.forced_tokens()
-        for i, tok in enumerate(forced):
-            self._append_token(req, tok)
-            if req.finished:
-                req.constraint.rollback(len(forced) - i - 1)  # keep the matcher in step with the output
-                return
-        if req.constraint.is_finished():
-            req.finish_reason = "stop"
+    def _detokenize(self, req: Req) -> None:
+        req.detokenize(lambda ids: self.decode(ids, req.params.skip_special_tokens))
 
     # ---- finishing ----------------------------------------------------------------------------
     def _finish(self, req: Req, error: BaseException | None = None) -> None:
