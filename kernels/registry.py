@@ -48,7 +48,9 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     return "torch"
 
 
-def create_attention_backend(name: str, device: torch.device | str, **kwargs) -> AttentionBackend:
+def create_attention_backend(name: str, device: torch.device | str, *, page_size: int = 1, **kwargs) -> AttentionBackend:
+    """The backend `name` resolves to. `page_size` is the KV pool's: FlashInfer's paged kernels
+    need it; torch and triton index token slots directly (any page size works)."""
     name = resolve_backend_name(name, device)
     if name == "torch":
         from .torch_backend import TorchAttentionBackend
@@ -57,4 +59,4 @@ def create_attention_backend(name: str, device: torch.device | str, **kwargs) ->
         from .triton_backend import TritonAttentionBackend
         return TritonAttentionBackend(**kwargs)
     from .flashinfer_backend import FlashInferAttentionBackend
-    return FlashInferAttentionBackend(device=device, **kwargs)
+    return FlashInferAttentionBackend(device=device, page_size=page_size, **kwargs)

@@ -27,11 +27,6 @@ DECODE_RESERVE_TOKENS = 16  # per running request, kept free when admitting new 
 IN_BATCH_PREFIX_TOKENS = 8  # shared uncached tokens that make a waiting request defer one step
 
 
-def validate_policy(policy: str) -> None:
-    if policy not in SCHEDULE_POLICIES:
-        raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {policy!r}")
-
-
 def needs_match_to_order(policy: str, num_waiting: int) -> bool:
     """Whether `order_waiting` reads cache matches (the scheduler then matches every waiting request)."""
     return policy != "fcfs" and num_waiting > 1

@@ -20,9 +20,10 @@ CORE_BENCHES = ("few-shot", "multi-turn", "branching", "floor")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from .config import add_cli_args
+
     p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
+    add_cli_args(p.add_argument_group("engine"), only=("device", "kv_cache_tokens"))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -286,14 +286,15 @@ def _wait_for_hello(store, workers: list[subprocess.Popen]) -> None:
 def _worker_main(argv: list[str]) -> None:
     """Entry of a spawned worker: build this rank's ModelRunner, which serves until told to stop."""
     parser = argparse.ArgumentParser(description="radix-backend tensor-parallel worker (started by rank 0)")
-    parser.add_argument("spec", help="JSON: model path, ModelRunner kwargs, tp_size, threads")
+    parser.add_argument("spec", help="JSON: model path, EngineConfig fields, tp_size, threads")
     spec = json.loads(parser.parse_args(argv).spec)
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {os.environ.get(ENV_RANK)}] %(levelname)s %(message)s")
     torch.set_num_threads(int(spec["threads"]))
+    from .config import EngineConfig
     from .loader import resolve_checkpoint
     from .model_runner import ModelRunner
 
-    ModelRunner(resolve_checkpoint(spec["model"]), tp_size=int(spec["tp_size"]), **spec["runner"])  # serves, exits
+    ModelRunner(resolve_checkpoint(spec["model"]), EngineConfig(**spec["config"]))  # serves, then exits
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from .config import EngineConfig
 from .errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
 from .loader import load_tokenizer, resolve_checkpoint
 from .model_runner import ModelRunner
-from .quantize import default_quantization
 from .outputs import ChoiceScore, GenerateOutput, StreamChunk
 from .request import Req, RequestHandle
 from .sampling_params import SamplingParams
@@ -53,30 +53,21 @@ class CacheStats:
 class Engine:
     """One model, one radix cache, one scheduler thread; share it across the whole process."""
 
-    def __init__(self, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
-                 kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
-                 schedule_policy: str = "lpm", attention_backend: str = "auto", max_running_requests: int = 64,
-                 chunked_prefill_tokens: int = 2048, disable_radix_cache: bool = False,
-                 enable_jump_forward: bool = True, seed: int = 0, debug_slots: bool = False, tp_size: int = 1,
-                 cuda_graph: bool | None = None, quantization: str | None = None) -> None:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides: Any) -> None:
+        """`model`: None (the embedded SmolLM2-135M), an HF checkpoint dir or a .gguf file.
+        `config` and/or keyword `overrides` set the EngineConfig knobs (device, kv_cache_tokens, ...)."""
+        self.config = (config or EngineConfig()).replace(**overrides)
         self.checkpoint = resolve_checkpoint(model)
         self.model_path = str(self.checkpoint.path)
         self.model_name = model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(self.checkpoint)
-        self.runner = ModelRunner(self.checkpoint, device=device, dtype=dtype, kv_cache_tokens=kv_cache_tokens,
-                                  mem_fraction=mem_fraction, page_size=page_size, attention_backend=attention_backend,
-                                  tp_size=tp_size, quantization=quantization or default_quantization(),
-                                  cuda_graph=cuda_graph, cuda_graph_max_batch_size=max_running_requests)
+        self.runner = ModelRunner(self.checkpoint, self.config)
         self.eos_token_ids = frozenset(self._collect_eos_ids())
-        self.seed = seed
+        self.seed = self.config.seed
         self._ids = itertools.count()
         self._compiler = None
         self._compiler_lock = threading.Lock()
-        self.scheduler = Scheduler(self.runner, decode=self.decode, page_size=page_size, schedule_policy=schedule_policy,
-                                   max_running_requests=max_running_requests,
-                                   chunked_prefill_tokens=chunked_prefill_tokens,
-                                   disable_radix_cache=disable_radix_cache, enable_jump_forward=enable_jump_forward,
-                                   debug_slots=debug_slots)
+        self.scheduler = Scheduler(self.runner, self.config, decode=self.decode)
 
     # ---- tokenizer helpers --------------------------------------------------------------------
     def _collect_eos_ids(self) -> set[int]:

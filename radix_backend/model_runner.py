@@ -20,7 +20,8 @@ from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
 from .models import build_model
 from .models.llama import check_tp_divisible
-from .quantize import QuantizationReport, quantize_model, validate_mode
+from .config import DTYPE_NAMES, TORCH_DTYPES, EngineConfig
+from .quantize import QuantizationReport, default_quantization, quantize_model
 
 if TYPE_CHECKING:
     from .distributed import TensorParallel
@@ -60,11 +61,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
-    return names[dtype]
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}; got {dtype!r}")
+    return TORCH_DTYPES[dtype]
 
 
 def _available_memory_bytes(device: torch.device) -> int:
@@ -78,60 +77,55 @@ def _available_memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, *, device: str = "auto", dtype: str = "auto",
-                 kv_cache_tokens: int | None = None, mem_fraction: float | None = None, page_size: int = 1,
-                 attention_backend: str = "auto", tp_size: int = 1, cuda_graph: bool | None = None,
-                 cuda_graph_max_batch_size: int = 64, quantization: str = "auto") -> None:
-        validate_mode(quantization)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.config = checkpoint.config
-        check_tp_divisible(self.config, tp_size)  # before any process starts
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.config = checkpoint.config  # the model's (HF) config
+        check_tp_divisible(self.config, config.tp_size)  # before any process starts
         self.tp: TensorParallel | None = None
-        if tp_size > 1:
+        if config.tp_size > 1:
             from .distributed import init_tensor_parallel
 
-            runner_args = {"device": self.device.type, "dtype": str(self.dtype).removeprefix("torch."),
-                           "kv_cache_tokens": kv_cache_tokens, "mem_fraction": mem_fraction, "page_size": page_size,
-                           "attention_backend": attention_backend}
-            self.tp = init_tensor_parallel(tp_size, self.device, {"model": str(checkpoint.path), "runner": runner_args})
+            worker_config = config.replace(device=self.device.type, dtype=str(self.dtype).removeprefix("torch."))
+            self.tp = init_tensor_parallel(config.tp_size, self.device,
+                                           {"model": str(checkpoint.path), "config": worker_config.as_dict()})
             self.device = self.tp.device
         try:
-            self._build(checkpoint, kv_cache_tokens, mem_fraction, page_size, attention_backend, quantization)
+            self._build(checkpoint, config)
         except BaseException as exc:
             if self.tp is not None:
                 self.tp.mark_broken(f"building the model failed: {exc}")
             self.shutdown()
             raise
         self.graph_runner = None
+        cuda_graph = config.cuda_graph
         if cuda_graph is None:  # auto: hide Triton's launch overhead on CUDA
             cuda_graph = self.device.type == "cuda" and self.attention_backend.name == "triton" and self.tp is None
         if cuda_graph:
-            self._init_graph_runner(cuda_graph_max_batch_size)
+            self._init_graph_runner(config.max_running_requests)
         if self.tp is not None and self.tp.rank != 0:
             self.tp.serve(self)  # a worker rank: serve rank 0's forwards until it stops us
             raise SystemExit(0)
 
-    def _build(self, checkpoint: Checkpoint, kv_cache_tokens: int | None, mem_fraction: float | None,
-               page_size: int, attention_backend: str, quantization: str) -> None:
+    def _build(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
         self.model = build_model(self.config, iter_weights(checkpoint, dtype=torch.float32, device="cpu"),
                                  dtype=self.dtype, device=self.device, tp=self.tp)
         self.quantization: QuantizationReport = quantize_model(
-            self.model, quantization, from_gguf=checkpoint.source in ("gguf", "embedded"), device=self.device,
-            dtype=self.dtype, tp_size=self.tp.size if self.tp else 1)
+            self.model, config.quantization or default_quantization(), from_gguf=checkpoint.source in ("gguf", "embedded"),
+            device=self.device, dtype=self.dtype, tp_size=self.tp.size if self.tp else 1)
         logger.info("quantization: %s (%s)", self.quantization.mode, self.quantization.reason)
         attn = self.model.layers[0].self_attn
         pool_cfg = KVPoolConfig(num_layers=len(self.model.layers), num_kv_heads=attn.num_kv_heads,
                                 head_dim=attn.head_dim, dtype=self.dtype, device=self.device)
-        num_slots = kv_cache_tokens or self._default_kv_tokens(pool_cfg, mem_fraction)
+        num_slots = config.kv_cache_tokens or self._default_kv_tokens(pool_cfg, config.mem_fraction)
         if self.tp is not None:
             num_slots = self.tp.agree_min(num_slots)  # every rank's pool must have the same slots
         if num_slots < 16:
             raise ValueError(f"kv_cache_tokens must be >= 16, got {num_slots}")
-        self.kv_pool = KVPool(pool_cfg, num_slots, page_size=page_size)
+        self.kv_pool = KVPool(pool_cfg, num_slots, page_size=config.page_size)
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(pool_cfg.num_layers)]
-        backend_kwargs = {"page_size": page_size} if attention_backend == "flashinfer" else {}
-        self.attention_backend = create_attention_backend(attention_backend, self.device, **backend_kwargs)
+        self.attention_backend = create_attention_backend(config.attention_backend, self.device,
+                                                          page_size=config.page_size)
         logger.info("model on %s/%s, %d KV slots, attention=%s, tp_size=%d", self.device, self.dtype, num_slots,
                     self.attention_backend.name, self.tp.size if self.tp else 1)
 

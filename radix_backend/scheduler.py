@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 
 from . import constrained
-from .admission import PrefillAdder, StepBudget, needs_match_to_order, order_waiting, validate_policy
+from .admission import PrefillAdder, StepBudget, needs_match_to_order, order_waiting
+from .config import EngineConfig
 from .errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
 from .model_runner import ForwardInput, ModelRunner
 from .radix_cache import RadixCache
@@ -56,21 +57,16 @@ class _Batch:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, *, decode: Callable[[list[int], bool], str], page_size: int = 1,
-                 schedule_policy: str = "lpm", max_running_requests: int = 64, chunked_prefill_tokens: int = 2048,
-                 disable_radix_cache: bool = False, enable_jump_forward: bool = True, debug_slots: bool = False) -> None:
-        validate_policy(schedule_policy)
-        if chunked_prefill_tokens < 1:
-            raise ValueError(f"chunked_prefill_tokens must be >= 1, got {chunked_prefill_tokens}")
+    def __init__(self, runner: ModelRunner, config: EngineConfig, *, decode: Callable[[list[int], bool], str]) -> None:
         self.runner = runner
         self.decode = decode
-        self.page_size = page_size
-        self.policy = schedule_policy
-        self.max_running = max_running_requests
-        self.prefill_budget = chunked_prefill_tokens
-        self.enable_jump_forward = enable_jump_forward
-        self.allocator = runner.kv_pool.make_allocator(debug=debug_slots)
-        self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_radix_cache)
+        self.page_size = config.page_size
+        self.policy = config.schedule_policy
+        self.max_running = config.max_running_requests
+        self.prefill_budget = config.chunked_prefill_tokens
+        self.enable_jump_forward = config.enable_jump_forward
+        self.allocator = runner.kv_pool.make_allocator(debug=config.debug_slots)
+        self.tree = RadixCache(self.allocator, page_size=config.page_size, disable=config.disable_radix_cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()

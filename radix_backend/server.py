@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from .config import add_cli_args, from_cli_args
 from .errors import InvalidRequestError, MissingDependencyError, RadixBackendError
 
 try:
@@ -33,6 +34,7 @@ except ImportError as exc:  # pragma: no cover - the server extra installs them
     raise MissingDependencyError.for_extra("fastapi and uvicorn", "server") from exc
 
 from .metrics import ServerMetrics
+from .router import POLICIES as ROUTER_POLICIES
 from .server_common import DEFAULT_MODEL_PATH, ClientDisconnected, ModelNotFoundError, _error, _Server, error_response
 from .server_native import add_native_routes
 from .server_openai import add_openai_routes
@@ -223,38 +225,22 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 3000
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of `radix-backend serve` (the CLI wires `run_serve` to them)."""
+    """Arguments of `radix-backend serve` (the CLI wires `run_serve` to them); the engine's come
+    from EngineConfig's fields."""
     parser.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process each)")
     parser.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas behind a cache-aware router")
-    parser.add_argument("--router-policy", choices=["cache_aware", "round_robin", "shortest_queue"],
-                        default="cache_aware")
+    parser.add_argument("--router-policy", choices=ROUTER_POLICIES, default=ROUTER_POLICIES[0])
     parser.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-tokens", type=int, default=None)
-    parser.add_argument("--mem-fraction", type=float, default=None)
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--schedule-policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs"])
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--chunked-prefill-tokens", type=int, default=2048)
-    parser.add_argument("--disable-radix-cache", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="info")
+    add_cli_args(parser.add_argument_group("engine"))
     return parser
-
-
-_ENGINE_ARGS = ("device", "dtype", "kv_cache_tokens", "mem_fraction", "page_size", "schedule_policy",
-                "attention_backend", "max_running_requests", "chunked_prefill_tokens", "disable_radix_cache", "seed", "tp_size")
 
 
 def run_serve(args: argparse.Namespace) -> None:
     serve(args.model, host=args.host, port=args.port, dp_size=args.dp_size, router_policy=args.router_policy,
-          served_model_name=args.served_model_name, log_level=args.log_level,
-          **{name: getattr(args, name) for name in _ENGINE_ARGS})
+          served_model_name=args.served_model_name, log_level=args.log_level, config=from_cli_args(args))
 
 
 def main(argv: list[str] | None = None) -> None:

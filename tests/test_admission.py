@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from radix_backend.admission import (DECODE_RESERVE_TOKENS, IN_BATCH_PREFIX_TOKENS, PrefillAdder, StepBudget,
-                                     order_waiting, validate_policy)
+                                     order_waiting)
+from radix_backend.config import EngineConfig
 from radix_backend.request import Req, RequestHandle
 from radix_backend.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ def test_fcfs_and_single_requests_keep_arrival_order():
     assert order_waiting(reqs, "fcfs") == reqs
     assert order_waiting(reqs[1:], "lpm") == reqs[1:]
     with pytest.raises(ValueError, match="schedule_policy"):
-        validate_policy("random")
+        EngineConfig(schedule_policy="random")
 
 
 def test_step_budget_cuts_chunks_to_whole_pages():

@@ -1,0 +1,112 @@
+"""EngineConfig: every engine knob, its default and its check, in one place.
+
+`Engine(model, config=None, **overrides)` builds one; the model runner, the scheduler and the
+tensor-parallel workers read it; the server's and CLI's flags are generated from its fields
+(`add_cli_args` / `from_cli_args`), so a default or a choice list is written once, here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .admission import SCHEDULE_POLICIES
+from .kernels.registry import BACKEND_NAMES
+from .quantize import QUANTIZATION_MODES
+
+TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPE_NAMES = ("auto", *TORCH_DTYPES)
+
+
+def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None, cli: bool = True) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an Engine runs its model. Immutable: derive variants with `replace(**overrides)`."""
+
+    device: str = _knob("auto", "cpu, cuda, cuda:N, or auto (CUDA when available)")
+    dtype: str = _knob("auto", "weights and KV dtype; auto: bf16 on CUDA, fp32 on CPU", DTYPE_NAMES)
+    quantization: str | None = _knob(
+        None, "weight-only quantized linears; default: $RADIX_BACKEND_QUANTIZATION or auto (int4 for 4-bit GGUF "
+        "models on CPUs where it is faster)", QUANTIZATION_MODES)
+    kv_cache_tokens: int | None = _knob(None, "KV pool size in tokens (default: from mem_fraction)")
+    mem_fraction: float | None = _knob(None, "share of free memory for the KV pool (default: 0.8 CUDA, 0.2 CPU)")
+    page_size: int = _knob(1, "tokens per KV page (radix matches round down to whole pages)")
+    schedule_policy: str = _knob("lpm", "admission order: longest cached prefix, radix-subtree groups, or arrival",
+                                 SCHEDULE_POLICIES)
+    attention_backend: str = _knob("auto", "attention kernels; auto: flashinfer, then triton on CUDA, torch on CPU",
+                                   BACKEND_NAMES)
+    max_running_requests: int = _knob(64, "requests decoding at once")
+    chunked_prefill_tokens: int = _knob(2048, "prefill tokens per forward; longer prompts are chunked")
+    disable_radix_cache: bool = _knob(False, "never reuse KV across requests (for comparison)")
+    enable_jump_forward: bool = _knob(True, "append grammar-forced tokens without decode steps")
+    seed: int = _knob(0, "seed of sampled requests that give none")
+    tp_size: int = _knob(1, "tensor-parallel ranks (one process each)")
+    cuda_graph: bool | None = _knob(None, "capture decode steps in CUDA graphs (default: with triton on CUDA)")
+    debug_slots: bool = _knob(False, "check every KV slot free/alloc (slow; for tests)", cli=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata["choices"]
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
+        for name, low in (("page_size", 1), ("max_running_requests", 1), ("chunked_prefill_tokens", 1),
+                          ("tp_size", 1), ("kv_cache_tokens", 16)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                wanted = "a positive int" if low == 1 else f"an int >= {low}"
+                raise ValueError(f"{name} must be {wanted}, got {value!r}")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction!r}")
+
+    def replace(self, **overrides: Any) -> EngineConfig:
+        """A copy with `overrides` applied (checked); an unknown name is a TypeError naming the knobs."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; "
+                            f"known: {', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+Parser = typing.Union[argparse.ArgumentParser, "argparse._ArgumentGroup"]
+
+
+def add_cli_args(parser: Parser, only: typing.Iterable[str] | None = None) -> Parser:
+    """Add `--kebab-case` flags for EngineConfig's fields (all CLI fields, or `only` these)."""
+    hints = typing.get_type_hints(EngineConfig)
+    wanted = set(only) if only is not None else None
+    for f in dataclasses.fields(EngineConfig):
+        if not f.metadata["cli"] or (wanted is not None and f.name not in wanted):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+                                help=f.metadata["help"])
+    return parser
+
+
+def from_cli_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the flags `add_cli_args` added (others keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _base_type(annotation: Any) -> type:
+    """int for `int | None`, and so on."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
