@@ -16,7 +16,8 @@ from .choices import ChoicesSamplingMethod, token_length_normalized
 from .errors import ProgramError, StreamUsageError, UnsupportedFeatureError
 from .interpreter import ProgramState, run_program, run_program_batch
 from .ir import SglExpr, SglExprList, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, to_expr
-from .tracer import TracerProgramState, constant_prefix, placeholder_arguments, trace_program
+from .prefix import cache_common_prefix, constant_prefix
+from .tracer import TracerProgramState, placeholder_arguments, trace_program
 
 _default_backend: BaseBackend | None = None
 _default_lock = threading.Lock()
@@ -131,8 +132,11 @@ class SglFunction:
         defaults = _defaults(max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, frequency_penalty,
                              presence_penalty, ignore_eos, return_logprob, top_logprobs_num)
         arguments = [self._bind((), kw) for kw in batch_kwargs]
-        return run_program_batch(self, backend or get_default_backend(), arguments, defaults,
-                                 num_threads=num_threads, progress_bar=progress_bar, cache_prefix=cache_prefix)
+        backend = backend or get_default_backend()
+        if cache_prefix:
+            cache_common_prefix(self, backend, arguments)
+        return run_program_batch(self, backend, arguments, defaults, num_threads=num_threads,
+                                 progress_bar=progress_bar)
 
     def trace(self, *, backend: BaseBackend | None = None, **kwargs: Any) -> TracerProgramState:
         """IR graph of the program; arguments not given are placeholders. No model is called

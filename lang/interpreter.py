@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from radix_backend.outputs import GenerateOutput, RequestMeta
@@ -26,12 +26,12 @@ from radix_backend.sampling_params import SamplingParams
 from .chat_template import ChatTemplate
 from .errors import ProgramError, StreamUsageError, UnknownVariableError
 from .ir import (
+    Program,
     BACKEND_NODES,
     TRACE_ONLY_NODES,
     SglConcateAndAppend,
     SglConstantText,
     SglExpr,
-    SglExprList,
     SglGen,
     SglRoleBegin,
     SglRoleEnd,
@@ -41,16 +41,16 @@ from .ir import (
     flatten,
     to_expr,
 )
+from .roles import RoleMethods
 
 if TYPE_CHECKING:
-    from .api import SglFunction
     from .backends.base import BaseBackend
 
 INT_REGEX = r"[-+]?[0-9]+"
 FLOAT_REGEX = r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
 
 
-class _Run:
+class ProgramRun:
     """One execution of a program: its states, backend, default sampling params and thread."""
 
     def __init__(self, backend: "BaseBackend", defaults: SamplingParams, chat_template: ChatTemplate | None = None) -> None:
@@ -76,47 +76,10 @@ class _Run:
                 st._cond.notify_all()
 
 
-class _RoleMixin:
-    """`s.user(...)`, `with s.user():`, `with s.var_scope(name):` shared by real and traced states."""
-
-    def _submit(self, expr: SglExpr) -> None:
-        raise NotImplementedError
-
-    def _role_common(self, role: str, expr: Any = None) -> Any:
-        if expr is not None:
-            node = SglExprList([SglRoleBegin(role), to_expr(expr), SglRoleEnd(role)])
-            self._submit(node)
-            return node
-
-        @contextmanager
-        def scope() -> Iterator[None]:
-            self._submit(SglRoleBegin(role))
-            yield
-            self._submit(SglRoleEnd(role))
-
-        return scope()
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role_common("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role_common("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role_common("assistant", expr)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        """Everything appended inside the block becomes variable `name`."""
-        self._submit(SglVarScopeBegin(name))
-        yield
-        self._submit(SglVarScopeEnd(name))
-
-
-class ProgramState(_RoleMixin):
+class ProgramState(RoleMethods):
     """The `s` of a program: text so far, chat messages, variables and their meta info."""
 
-    def __init__(self, run: _Run, *, stream_root: bool = False) -> None:
+    def __init__(self, run: ProgramRun, *, stream_root: bool = False) -> None:
         self._run = run
         self._stream_root = stream_root
         self._text = ""
@@ -439,7 +402,7 @@ def _execute_backend_step(work: list[tuple[ProgramState, SglExpr]]) -> None:
             _store_gen(st, node, out)
 
 
-def _gen_params(run: _Run, node: SglGen) -> SamplingParams:
+def _gen_params(run: ProgramRun, node: SglGen) -> SamplingParams:
     p = run.defaults.copy(**node.overrides)
     if node.dtype in (int, float) and not p.has_constraint:
         p = p.copy(regex=INT_REGEX if node.dtype is int else FLOAT_REGEX)
@@ -509,9 +472,9 @@ def _execute_select(st: ProgramState, node: SglSelect) -> None:
 # ---- running programs -----------------------------------------------------------------------
 
 
-def run_program(program: "SglFunction", backend: "BaseBackend", arguments: dict[str, Any],
+def run_program(program: Program, backend: "BaseBackend", arguments: dict[str, Any],
                 defaults: SamplingParams, stream: bool = False) -> ProgramState:
-    run = _Run(backend, defaults)
+    run = ProgramRun(backend, defaults)
     state = ProgramState(run, stream_root=stream)
     if stream:
         run.thread = threading.Thread(target=_execute, args=(program, state, arguments), daemon=True,
@@ -522,7 +485,7 @@ def run_program(program: "SglFunction", backend: "BaseBackend", arguments: dict[
     return state
 
 
-def _execute(program: "SglFunction", state: ProgramState, arguments: dict[str, Any]) -> None:
+def _execute(program: Program, state: ProgramState, arguments: dict[str, Any]) -> None:
     run = state._run
     try:
         state.ret_value = program.func(state, **arguments)
@@ -535,25 +498,15 @@ def _execute(program: "SglFunction", state: ProgramState, arguments: dict[str, A
         run.finish()
 
 
-def run_program_batch(program: "SglFunction", backend: "BaseBackend", batch_arguments: list[dict[str, Any]],
-                      defaults: SamplingParams, num_threads: int | str = "auto", progress_bar: bool = False,
-                      cache_prefix: bool = True) -> list[ProgramState]:
-    """Run the program once per argument dict on a thread pool; the engine batches their requests.
-
-    With `cache_prefix`, the constant prefix shared by all items (found by tracing) is submitted
-    first, so every item starts from a radix-cache hit instead of racing to compute it.
-    """
+def run_program_batch(program: Program, backend: "BaseBackend", batch_arguments: list[dict[str, Any]],
+                      defaults: SamplingParams, num_threads: int | str = "auto",
+                      progress_bar: bool = False) -> list[ProgramState]:
+    """Run the program once per argument dict on a thread pool; the engine batches their requests."""
     from tqdm.auto import tqdm
 
     n = len(batch_arguments)
     if n == 0:
         return []
-    if cache_prefix and n > 1:
-        from .tracer import batch_common_prefix
-
-        prefix = batch_common_prefix(program, backend, batch_arguments)
-        if len(prefix) >= MIN_CACHED_PREFIX_CHARS:
-            backend.cache_prefix(prefix)
     if num_threads == "auto":
         num_threads = AUTO_MAX_THREADS  # threads mostly wait on the engine, which batches their requests
     if not isinstance(num_threads, int) or num_threads < 1:
@@ -585,5 +538,4 @@ def run_program_batch(program: "SglFunction", backend: "BaseBackend", batch_argu
         bar.close()
 
 
-MIN_CACHED_PREFIX_CHARS = 32
 AUTO_MAX_THREADS = 128

@@ -7,10 +7,21 @@ nodes, the tracer records them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import ProgramError, StopTracing
+
+
+class Program(Protocol):
+    """What the interpreter and the tracer need of a DSL program (`api.SglFunction` is one):
+    the user's function and its name, argument names and bound arguments."""
+
+    name: str
+    func: Callable[..., Any]
+    arg_names: list[str]
+    bind_arguments: dict[str, Any]
 
 
 class SglExpr:

@@ -3,22 +3,15 @@
 
 Unknown arguments become `SglArgument` placeholders and `s["x"]` becomes an `SglVariable`; when
 the program does something that needs a real value (formats a placeholder, branches on a
-variable) tracing stops there. The trace gives the *constant prefix* of a program: the text
-every run starts with before its first argument-dependent or generated piece, which
-`run_batch(cache_prefix=True)` and `compile()` put in the radix cache before the batch starts.
+variable) tracing stops there. `prefix.py` reads a trace's constant prefix off it.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from radix_backend.sampling_params import SamplingParams
-
-from .chat_template import ChatTemplate
 from .errors import ProgramError, StopTracing
-from .interpreter import ProgramState, _RoleMixin, _Run
 from .ir import (
     BACKEND_NODES,
     TRACE_ONLY_NODES,
@@ -27,17 +20,15 @@ from .ir import (
     SglFork,
     SglGetForkItem,
     SglJoin,
+    Program,
     SglVariable,
     flatten,
     to_expr,
 )
-
-if TYPE_CHECKING:
-    from .api import SglFunction
-    from .backends.base import BaseBackend
+from .roles import RoleMethods
 
 
-class TracerProgramState(_RoleMixin):
+class TracerProgramState(RoleMethods):
     """Records what a program appends. `nodes` is this state's IR; `children` are its forks."""
 
     def __init__(self, arguments: dict[str, Any], *, only_trace_prefix: bool = False) -> None:
@@ -142,7 +133,7 @@ class TracerStateGroup:
         self.src._submit(SglJoin(mode))
 
 
-def placeholder_arguments(program: "SglFunction", given: dict[str, Any] | None = None) -> dict[str, Any]:
+def placeholder_arguments(program: Program, given: dict[str, Any] | None = None) -> dict[str, Any]:
     """Bound arguments plus `given`; every other parameter becomes an SglArgument placeholder."""
     args: dict[str, Any] = {name: SglArgument(name) for name in program.arg_names}
     args.update(program.bind_arguments)
@@ -150,7 +141,7 @@ def placeholder_arguments(program: "SglFunction", given: dict[str, Any] | None =
     return args
 
 
-def trace_program(program: "SglFunction", arguments: dict[str, Any], *, only_trace_prefix: bool = False) -> TracerProgramState:
+def trace_program(program: Program, arguments: dict[str, Any], *, only_trace_prefix: bool = False) -> TracerProgramState:
     tracer = TracerProgramState(arguments, only_trace_prefix=only_trace_prefix)
     try:
         tracer.ret_value = program.func(tracer, **arguments)
@@ -161,32 +152,3 @@ def trace_program(program: "SglFunction", arguments: dict[str, Any], *, only_tra
     except Exception as exc:  # noqa: BLE001 - user code touching a placeholder: the trace ends here
         tracer.stopped = f"{type(exc).__name__}: {exc}"
     return tracer
-
-
-class _NoBackend:
-    def get_chat_template(self) -> ChatTemplate:  # pragma: no cover - template is always passed
-        raise AssertionError
-
-
-def constant_prefix(tracer: TracerProgramState, chat_template: ChatTemplate) -> str:
-    """Text a run of the traced program produces before its first non-constant node."""
-    run = _Run(_NoBackend(), SamplingParams(), chat_template)  # type: ignore[arg-type]
-    state = ProgramState(run)
-    for node in tracer.nodes:
-        if isinstance(node, BACKEND_NODES + TRACE_ONLY_NODES):
-            break
-        try:
-            state._execute_local(node)
-        except ProgramError:
-            break
-    return state._text
-
-
-def batch_common_prefix(program: "SglFunction", backend: "BaseBackend", batch_arguments: list[dict[str, Any]]) -> str:
-    """Longest text every item of the batch starts with (each item traced with its real arguments)."""
-    tmpl = backend.get_chat_template()
-    prefixes = [
-        constant_prefix(trace_program(program, {**program.bind_arguments, **args}, only_trace_prefix=True), tmpl)
-        for args in batch_arguments
-    ]
-    return os.path.commonprefix(prefixes)
