@@ -5,7 +5,7 @@ Rank 0 is the Engine's process: it owns the scheduler, the radix cache and sampl
 ForwardInput, then all ranks run the same forward; the row-parallel layers all-reduce inside it.
 
 Two launch modes:
-- spawned (the default): rank 0 starts ranks 1..N-1 as `python -m radix_backend.distributed`
+- spawned (the default): rank 0 starts ranks 1..N-1 as `python -m radix_backend.tp_worker`
   subprocesses that rendezvous on a TCPStore bound to a free loopback port. They load their own
   shards from the checkpoint path and serve forwards until rank 0 sends a stop message.
 - torchrun: when RANK / WORLD_SIZE are set, every rank runs the user's script; `Engine(...,
@@ -22,7 +22,6 @@ each forward and raises TensorParallelError naming the rank that exited.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import dataclasses
 import json
@@ -32,17 +31,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .errors import RadixBackendError
-
-if TYPE_CHECKING:
-    from .model_runner import ForwardInput, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +86,14 @@ class TensorParallel:
         return int(t.item())
 
     # ---- rank 0 -----------------------------------------------------------------------------
-    def run_forward(self, runner: ModelRunner, batch: ForwardInput) -> torch.Tensor:
-        """Rank 0: send `batch` to every rank, then run this rank's part of the forward."""
-        with self._lock:  # broadcasts from two threads would interleave
+    @contextmanager
+    def lockstep(self, batch: Any) -> Iterator[None]:
+        """Rank 0: send `batch` to every rank; the body runs this rank's part of the forward.
+
+        Two threads never interleave broadcasts; a failure inside marks the group broken (the
+        workers may still wait in this forward's collectives), and a failed collective becomes a
+        TensorParallelError naming the dead rank where it can."""
+        with self._lock:
             if self._closed:
                 raise TensorParallelError("the tensor-parallel group is shut down; create a new Engine")
             if self._broken:
@@ -101,9 +104,11 @@ class TensorParallel:
                                           logits_indices=[])  # workers need no logits
             try:
                 self._collective(lambda: dist.broadcast_object_list([payload], src=0, group=self.control))
-                return self._collective(lambda: runner.forward_local(batch))
+                try:
+                    yield
+                except Exception as exc:
+                    raise self._as_tp_error(exc) from exc
             except BaseException as exc:
-                # the workers may still wait inside this forward's collectives: never send another batch
                 self._broken = f"{type(exc).__name__}: {exc}"[:300]
                 raise
 
@@ -122,16 +127,24 @@ class TensorParallel:
     def _collective(self, fn):
         try:
             return fn()
-        except TensorParallelError:
-            raise
         except Exception as exc:
-            if isinstance(exc, (RuntimeError, dist.DistError)) and self._is_comm_error(exc):
-                time.sleep(0.2)  # let a crashing peer finish exiting so its exit code can be named
-                self.check_workers()
-                raise TensorParallelError(
-                    f"tensor-parallel collective failed on rank {self.rank}: {exc}. A peer rank probably died "
-                    "or timed out; shut this engine down and create a new one") from exc
-            raise
+            error = self._as_tp_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _as_tp_error(self, exc: Exception) -> Exception:
+        """A communication failure as a TensorParallelError (naming a rank that exited); others unchanged."""
+        if isinstance(exc, TensorParallelError) or not isinstance(exc, (RuntimeError, dist.DistError)) \
+                or not self._is_comm_error(exc):
+            return exc
+        time.sleep(0.2)  # let a crashing peer finish exiting so its exit code can be named
+        try:
+            self.check_workers()
+        except TensorParallelError as dead:
+            return dead
+        return TensorParallelError(f"tensor-parallel collective failed on rank {self.rank}: {exc}. A peer rank probably "
+                                   "died or timed out; shut this engine down and create a new one")
 
     @staticmethod
     def _is_comm_error(exc: Exception) -> bool:
@@ -156,16 +169,13 @@ class TensorParallel:
             _destroy_groups()
 
     # ---- ranks 1..N-1 ------------------------------------------------------------------------
-    def serve(self, runner: ModelRunner) -> None:
-        """Workers: run every forward rank 0 broadcasts until it sends the stop message."""
-        while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=0, group=self.control)
-            batch = box[0]
-            if batch is None:
-                break
-            runner.forward_local(batch)
-        _destroy_groups()
+    def receive_batch(self) -> Any:
+        """Workers: wait for rank 0's next batch; None means stop (the groups are then closed)."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        if box[0] is None:
+            _destroy_groups()
+        return box[0]
 
 
 def _reap(procs: list[subprocess.Popen], grace_s: float) -> None:
@@ -256,7 +266,7 @@ def _spawn_workers(tp_size: int, device: torch.device, worker_args: dict[str, An
             env = {**os.environ, ENV_RANK: str(rank), ENV_WORLD: str(tp_size), ENV_PORT: str(store.port)}
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(key, None)
-            workers.append(subprocess.Popen([sys.executable, "-m", "radix_backend.distributed", args], env=env))
+            workers.append(subprocess.Popen([sys.executable, "-m", "radix_backend.tp_worker", args], env=env))
         _wait_for_hello(store, workers)
         group, control = _init_groups(_backend_for(device), 0, tp_size, store)
     except BaseException:
@@ -281,23 +291,3 @@ def _wait_for_hello(store, workers: list[subprocess.Popen]) -> None:
         if time.monotonic() > deadline:
             raise TensorParallelError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
         time.sleep(0.05)
-
-
-def _worker_main(argv: list[str]) -> None:
-    """Entry of a spawned worker: build this rank's ModelRunner, which serves until told to stop."""
-    parser = argparse.ArgumentParser(description="radix-backend tensor-parallel worker (started by rank 0)")
-    parser.add_argument("spec", help="JSON: model path, EngineConfig fields, tp_size, threads")
-    spec = json.loads(parser.parse_args(argv).spec)
-    logging.basicConfig(level=logging.WARNING, format=f"[tp rank {os.environ.get(ENV_RANK)}] %(levelname)s %(message)s")
-    torch.set_num_threads(int(spec["threads"]))
-    from .config import EngineConfig
-    from .loader import resolve_checkpoint
-    from .model_runner import ModelRunner
-
-    ModelRunner(resolve_checkpoint(spec["model"]), EngineConfig(**spec["config"]))  # serves, then exits
-
-
-if __name__ == "__main__":
-    if ENV_RANK not in os.environ:
-        sys.exit("radix_backend.distributed is started by the engine (Engine(tp_size=N)); do not run it directly")
-    _worker_main(sys.argv[1:])

@@ -19,7 +19,7 @@ from radix_backend.kernels import AttentionMetadata, create_attention_backend
 from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
 from .models import build_model
-from .models.llama import check_tp_divisible
+from .models.llama import TPShard, check_tp_divisible
 from .config import DTYPE_NAMES, TORCH_DTYPES, EngineConfig
 from .quantize import QuantizationReport, default_quantization, quantize_model
 
@@ -104,12 +104,13 @@ class ModelRunner:
         if cuda_graph:
             self._init_graph_runner(config.max_running_requests)
         if self.tp is not None and self.tp.rank != 0:
-            self.tp.serve(self)  # a worker rank: serve rank 0's forwards until it stops us
+            self._serve_rank0()
             raise SystemExit(0)
 
     def _build(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        shard = TPShard(self.tp.rank, self.tp.size, self.tp.all_reduce) if self.tp is not None else None
         self.model = build_model(self.config, iter_weights(checkpoint, dtype=torch.float32, device="cpu"),
-                                 dtype=self.dtype, device=self.device, tp=self.tp)
+                                 dtype=self.dtype, device=self.device, tp=shard)
         self.quantization: QuantizationReport = quantize_model(
             self.model, config.quantization or default_quantization(), from_gguf=checkpoint.source in ("gguf", "embedded"),
             device=self.device, dtype=self.dtype, tp_size=self.tp.size if self.tp else 1)
@@ -162,10 +163,17 @@ class ModelRunner:
         return int(self.config.max_position_embeddings)
 
     def forward(self, batch: ForwardInput) -> torch.Tensor:
-        """Run the batch; returns float32 logits [len(logits_indices), vocab]."""
-        if self.tp is not None:
-            return self.tp.run_forward(self, batch)
-        return self.forward_local(batch)
+        """Run the batch; returns float32 logits [len(logits_indices), vocab]. With tensor
+        parallelism every rank is sent the batch first and runs its shard alongside."""
+        if self.tp is None:
+            return self.forward_local(batch)
+        with self.tp.lockstep(batch):
+            return self.forward_local(batch)
+
+    def _serve_rank0(self) -> None:
+        """A worker rank: run every forward rank 0 sends until it sends the stop message."""
+        while (batch := self.tp.receive_batch()) is not None:
+            self.forward_local(batch)
 
     def forward_local(self, batch: ForwardInput) -> torch.Tensor:
         """This process's part of the forward (all of it without tensor parallelism)."""

@@ -41,7 +41,7 @@ def _worker_pids() -> list[int]:
             continue
         ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), -1)
         zombie = "State:\tZ" in status
-        if b"radix_backend.distributed" in cmd and ppid == os.getpid() and not zombie:
+        if b"radix_backend.tp_worker" in cmd and ppid == os.getpid() and not zombie:
             pids.append(int(entry.name))
     return pids
 

@@ -4,7 +4,8 @@ One forward call takes a ragged batch: the new tokens of many requests, flattene
 attending to its own cached prefix through the attention backend. Q/K/V and gate/up
 projections are fused into single matmuls, and logits are computed only at the rows asked for.
 
-Tensor parallelism (`tp` given, see radix_backend/distributed.py): q/k/v and gate/up are
+Tensor parallelism (a `TPShard` given; the process groups live in radix_backend/distributed.py,
+which this file never imports): q/k/v and gate/up are
 column-parallel (each rank holds its slice of heads / intermediate features), o_proj and
 down_proj are row-parallel and all-reduce their partial sums. Embeddings, norms and lm_head are
 replicated: the simplest correct choice, and for the small vocabularies here their memory is small.
@@ -13,7 +14,7 @@ replicated: the simplest correct choice, and for the small vocabularies here the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,15 +22,21 @@ from torch import nn
 from radix_backend.kernels import ops
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
 
-if TYPE_CHECKING:
-    from radix_backend.distributed import TensorParallel
-
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 )
 # HF weight names split along the output dim (column-parallel) or the input dim (row-parallel)
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """This rank's place in a tensor-parallel group: all the model needs to know of it."""
+
+    rank: int
+    size: int
+    all_reduce: Callable[[torch.Tensor], None]  # in-place sum over the ranks
 
 
 def check_tp_divisible(config, tp_size: int) -> None:
@@ -148,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
     """The decoder stack; `forward` returns logits only for `logits_indices` rows. With `tp`, this
     rank's shard (see the module docstring); every rank must run every forward together."""
 
-    def __init__(self, config, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config, tp: TPShard | None = None) -> None:
         super().__init__()
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -262,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+                tp: TPShard | None = None) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
     model = model.to_empty(device=device)
