@@ -28,9 +28,9 @@ from contextlib import aclosing, closing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .radix_cache import common_prefix_len
-from .errors import InvalidRequestError
-from .outputs import ChoiceScore, GenerateOutput, StreamChunk
+from ..errors import InvalidRequestError
+from ..outputs import ChoiceScore, GenerateOutput, StreamChunk
+from ..radix_cache import common_prefix_len
 
 POLICIES = ("cache_aware", "round_robin", "shortest_queue")
 
@@ -169,7 +169,7 @@ class Router:
     def from_model(cls, model: str | None = None, *, dp_size: int = 2, policy: str = "cache_aware",
                    router_kwargs: dict[str, Any] | None = None, **engine_kwargs: Any) -> "Router":
         """Load `dp_size` in-process engine replicas of `model` (same kwargs each)."""
-        from .engine import Engine
+        from ..engine import Engine
 
         if dp_size < 1:
             raise InvalidRequestError(f"dp_size must be >= 1, got {dp_size}")

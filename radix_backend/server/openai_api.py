@@ -13,19 +13,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from ..outputs import GenerateOutput, TokenLogprob
+from ..sampling_params import SamplingParams
+from .common import (chunk_as_output, iterate_streams, Job, open_streams, run_jobs, ServerState, sse_event, sse_response,
+                            TokenText, usage_info)
 from .metrics import RequestTracker
-from .outputs import GenerateOutput, TokenLogprob
-from .sampling_params import SamplingParams
-from .server_common import (_chunk_as_output, _iterate, _Job, _open_streams, _run_jobs, _Server, _sse, _sse_response,
-                            _TokenText, _usage)
-from .server_protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
+from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChoiceLogprobs,
                               CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                               CompletionStreamResponse, DeltaMessage, TokenLogprobOut, TopLogprob, new_id)
 
 
-def add_openai_routes(app: FastAPI, state: _Server) -> None:
+def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     """Register /v1/completions and /v1/chat/completions on `app`, served from `state`."""
     engine = state.engine
 
@@ -49,12 +49,12 @@ def add_openai_routes(app: FastAPI, state: _Server) -> None:
         tracker = state.metrics.track("/v1/completions")
         if req.stream:
             return await _stream_completion(state, jobs, model, req, echo, tracker)
-        outs = await _run_jobs(request, engine, jobs, tracker)
+        outs = await run_jobs(request, engine, jobs, tracker)
         choices = [CompletionChoice(index=i, text=echo[i] + out.text, finish_reason=_openai_finish(out.finish_reason),
                                     matched_stop=out.meta.matched_stop,
                                     logprobs=_completion_logprobs(out.logprobs, state.tok) if want_lp else None)
                    for i, out in enumerate(outs)]
-        return CompletionResponse(model=model, choices=choices, usage=_usage(outs, [j.group for j in jobs]))
+        return CompletionResponse(model=model, choices=choices, usage=usage_info(outs, [j.group for j in jobs]))
 
     # ------------------------------------------------------------------ chat
 
@@ -73,13 +73,13 @@ def add_openai_routes(app: FastAPI, state: _Server) -> None:
         tracker = state.metrics.track("/v1/chat/completions")
         if req.stream:
             return await _stream_chat(state, jobs, model, req, tracker)
-        outs = await _run_jobs(request, engine, jobs, tracker)
+        outs = await run_jobs(request, engine, jobs, tracker)
         choices = [ChatCompletionChoice(index=i, message=ChatMessage(content=out.text),
                                         finish_reason=_openai_finish(out.finish_reason),
                                         matched_stop=out.meta.matched_stop,
                                         logprobs=_chat_logprobs(out.logprobs, state.tok) if req.logprobs else None)
                    for i, out in enumerate(outs)]
-        return ChatCompletionResponse(model=model, choices=choices, usage=_usage(outs, [j.group for j in jobs]))
+        return ChatCompletionResponse(model=model, choices=choices, usage=usage_info(outs, [j.group for j in jobs]))
 
 
 # ============================================================================ request -> SamplingParams
@@ -130,7 +130,7 @@ def _echo_text(engine: Any, inputs: dict[str, Any]) -> str:
     return engine.decode(inputs["input_ids"], skip_special_tokens=False)
 
 
-def _completion_logprobs(lps: list[TokenLogprob] | None, tok: _TokenText, offset: int = 0) -> CompletionLogprobs | None:
+def _completion_logprobs(lps: list[TokenLogprob] | None, tok: TokenText, offset: int = 0) -> CompletionLogprobs | None:
     if lps is None:
         return None
     out = CompletionLogprobs()
@@ -144,7 +144,7 @@ def _completion_logprobs(lps: list[TokenLogprob] | None, tok: _TokenText, offset
     return out
 
 
-def _chat_logprobs(lps: list[TokenLogprob] | None, tok: _TokenText) -> ChoiceLogprobs | None:
+def _chat_logprobs(lps: list[TokenLogprob] | None, tok: TokenText) -> ChoiceLogprobs | None:
     if lps is None:
         return None
     content = []
@@ -158,9 +158,9 @@ def _chat_logprobs(lps: list[TokenLogprob] | None, tok: _TokenText) -> ChoiceLog
 # ============================================================================ streaming
 
 
-async def _stream_completion(state: _Server, jobs: list[_Job], model: str, req: CompletionRequest, echo: list[str],
+async def _stream_completion(state: ServerState, jobs: list[Job], model: str, req: CompletionRequest, echo: list[str],
                              tracker: RequestTracker) -> StreamingResponse:
-    streams, first = await _open_streams(state, jobs)
+    streams, first = await open_streams(state, jobs)
     rid, created = new_id("cmpl"), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     finals: list[GenerateOutput | None] = [None] * len(jobs)
@@ -171,9 +171,9 @@ async def _stream_completion(state: _Server, jobs: list[_Job], model: str, req: 
         offsets = [len(e) for e in echo]
         for i, e in enumerate(echo):
             if e:
-                yield _sse(CompletionStreamResponse(id=rid, created=created, model=model,
+                yield sse_event(CompletionStreamResponse(id=rid, created=created, model=model,
                                                     choices=[CompletionChoice(index=i, text=e)]))
-        async for i, chunk in _iterate(streams, first):
+        async for i, chunk in iterate_streams(streams, first):
             tracker.tokens(len(chunk.token_ids))
             texts[i] += chunk.text
             ids[i] += chunk.token_ids
@@ -181,27 +181,27 @@ async def _stream_completion(state: _Server, jobs: list[_Job], model: str, req: 
                 if req.logprobs is not None else None
             offsets[i] += len(chunk.text)
             if chunk.finish_reason is not None:
-                finals[i] = _chunk_as_output(chunk, texts[i], ids[i])
+                finals[i] = chunk_as_output(chunk, texts[i], ids[i])
             if chunk.text or chunk.finish_reason is not None:
                 choice = CompletionChoice(index=i, text=chunk.text, logprobs=lps,
                                           finish_reason=_openai_finish(chunk.finish_reason))
-                yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+                yield sse_event(CompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
         if include_usage:
-            yield _sse(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                usage=_usage(finals, [j.group for j in jobs])))
+            yield sse_event(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                usage=usage_info(finals, [j.group for j in jobs])))
 
-    return _sse_response(events(), streams, tracker, finals, jobs)
+    return sse_response(events(), streams, tracker, finals, jobs)
 
 
-async def _stream_chat(state: _Server, jobs: list[_Job], model: str, req: ChatCompletionRequest,
+async def _stream_chat(state: ServerState, jobs: list[Job], model: str, req: ChatCompletionRequest,
                        tracker: RequestTracker) -> StreamingResponse:
-    streams, first = await _open_streams(state, jobs)
+    streams, first = await open_streams(state, jobs)
     rid, created = new_id("chatcmpl"), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def event(i: int, delta: DeltaMessage, finish: str | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
         choice = ChatCompletionStreamChoice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
+        return sse_event(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
 
     finals: list[GenerateOutput | None] = [None] * len(jobs)
 
@@ -210,7 +210,7 @@ async def _stream_chat(state: _Server, jobs: list[_Job], model: str, req: ChatCo
         ids: list[list[int]] = [[] for _ in jobs]
         for i in range(len(jobs)):
             yield event(i, DeltaMessage(role="assistant", content=""))
-        async for i, chunk in _iterate(streams, first):
+        async for i, chunk in iterate_streams(streams, first):
             tracker.tokens(len(chunk.token_ids))
             texts[i] += chunk.text
             ids[i] += chunk.token_ids
@@ -219,10 +219,10 @@ async def _stream_chat(state: _Server, jobs: list[_Job], model: str, req: ChatCo
                 yield event(i, DeltaMessage(content=chunk.text), logprobs=lps)
                 lps = None
             if chunk.finish_reason is not None:  # a textless last token (EOS) keeps its logprob, as unstreamed
-                finals[i] = _chunk_as_output(chunk, texts[i], ids[i])
+                finals[i] = chunk_as_output(chunk, texts[i], ids[i])
                 yield event(i, DeltaMessage(), finish=_openai_finish(chunk.finish_reason), logprobs=lps)
         if include_usage:
-            yield _sse(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                    usage=_usage(finals, [j.group for j in jobs])))
+            yield sse_event(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
+                                                    usage=usage_info(finals, [j.group for j in jobs])))
 
-    return _sse_response(events(), streams, tracker, finals, jobs)
+    return sse_response(events(), streams, tracker, finals, jobs)

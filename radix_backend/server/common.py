@@ -1,8 +1,7 @@
 """What the server's route modules share: the handlers' state, engine calls, streaming, errors.
 
-Part of `radix_backend.server` (which assembles the app from `server_openai` and `server_native`);
-import the server from there. Requests go to the engine as `_Job`s: `_run_jobs` awaits them (and
-cancels them when the client disconnects), `_open_streams` + `_sse_response` stream them as
+The app (`app.py`) is assembled from `openai_api` and `native_api`, which use these. Requests go to the engine as `Job`s: `run_jobs` awaits them (and
+cancels them when the client disconnects), `open_streams` + `sse_response` stream them as
 server-sent events.
 """
 
@@ -19,12 +18,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .errors import (ConstraintError, EngineShutdownError, InvalidRequestError, KVCacheTooSmallError,
+from ..errors import (ConstraintError, EngineShutdownError, InvalidRequestError, KVCacheTooSmallError,
                      PromptTooLongError, RequestAbortedError)
+from ..outputs import GenerateOutput, RequestMeta, StreamChunk
+from ..sampling_params import SamplingParams
 from .metrics import RequestTracker, ServerMetrics
-from .outputs import GenerateOutput, RequestMeta, StreamChunk
-from .sampling_params import SamplingParams
-from .server_protocol import (ChatCompletionRequest, ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo,
+from .protocol import (ChatCompletionRequest, ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo,
                               new_id)
 
 logger = logging.getLogger("radix_backend.server")  # the server's logger (the errors it logs are its own)
@@ -43,7 +42,7 @@ class ClientDisconnected(RequestAbortedError):
 # ============================================================================ errors
 
 
-def _error(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None,
+def error_json(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None,
            param: str | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code or status))
     return JSONResponse(body.model_dump(), status_code=status)
@@ -52,27 +51,27 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error", c
 def error_response(exc: BaseException) -> JSONResponse:
     """Map a typed error to an OpenAI-style error body and HTTP status."""
     if isinstance(exc, ModelNotFoundError):
-        return _error(404, str(exc), code="model_not_found", param="model")
+        return error_json(404, str(exc), code="model_not_found", param="model")
     if isinstance(exc, PromptTooLongError):
-        return _error(400, str(exc), code="context_length_exceeded", param="messages")
+        return error_json(400, str(exc), code="context_length_exceeded", param="messages")
     if isinstance(exc, KVCacheTooSmallError):
-        return _error(400, str(exc), code="kv_cache_too_small")
+        return error_json(400, str(exc), code="kv_cache_too_small")
     if isinstance(exc, ConstraintError):
-        return _error(400, str(exc), code="invalid_constraint", param="response_format")
+        return error_json(400, str(exc), code="invalid_constraint", param="response_format")
     if isinstance(exc, InvalidRequestError):
-        return _error(400, str(exc))
+        return error_json(400, str(exc))
     if isinstance(exc, EngineShutdownError):
-        return _error(503, str(exc), err_type="service_unavailable")
+        return error_json(503, str(exc), err_type="service_unavailable")
     if isinstance(exc, RequestAbortedError):
-        return _error(503, str(exc), err_type="request_aborted")
+        return error_json(503, str(exc), err_type="request_aborted")
     logger.exception("internal error", exc_info=exc)
-    return _error(500, f"internal error: {type(exc).__name__}: {exc}", err_type="internal_error")
+    return error_json(500, f"internal error: {type(exc).__name__}: {exc}", err_type="internal_error")
 
 
 # ============================================================================ handler state
 
 
-class _Server:
+class ServerState:
     """The handlers' shared state: the engine, served model names, metrics."""
 
     def __init__(self, engine: Any, served_model_name: str | None, model_path: str | None) -> None:
@@ -81,7 +80,7 @@ class _Server:
         self.model_name = served_model_name or getattr(engine, "model_name", None) or self.model_path
         self._kv_total: int | None = None
         self.metrics = ServerMetrics(engine)
-        self.tok = _TokenText(engine)
+        self.tok = TokenText(engine)
 
     def check_model(self, model: str | None) -> str:
         if model in (self.model_name, self.model_path, "default"):
@@ -153,18 +152,18 @@ class _Server:
             raise InvalidRequestError("messages must not be empty")
         return messages
 
-    def expand(self, inputs_list: list[dict[str, Any]], params_list: list[SamplingParams], n: int) -> list[_Job]:
+    def expand(self, inputs_list: list[dict[str, Any]], params_list: list[SamplingParams], n: int) -> list[Job]:
         if not 1 <= n <= 128:
             raise InvalidRequestError(f"n must be in [1, 128], got {n}")
         jobs = []
         for group, (inputs, params) in enumerate(zip(inputs_list, params_list)):
             for j in range(n):
                 p = params if (n == 1 or params.seed is None) else params.copy(seed=params.seed + j)
-                jobs.append(_Job(inputs=inputs, params=p, group=group))
+                jobs.append(Job(inputs=inputs, params=p, group=group))
         return jobs
 
 
-class _TokenText:
+class TokenText:
     """Token id -> its text, cached (logprob responses repeat the same tokens a lot)."""
 
     def __init__(self, engine: Any) -> None:
@@ -184,7 +183,7 @@ class _TokenText:
 
 
 @dataclass
-class _Job:
+class Job:
     """One engine request: the prompt keyword (prompt= / input_ids= / messages=) and its params."""
 
     inputs: dict[str, Any]
@@ -213,8 +212,8 @@ async def _cancel_on_disconnect(request: Request, awaitable: Awaitable[Any]) -> 
     return task.result()
 
 
-async def _run_jobs(request: Request, engine: Any, jobs: list[_Job], tracker: RequestTracker) -> list[GenerateOutput]:
-    async def one(job: _Job) -> GenerateOutput:
+async def run_jobs(request: Request, engine: Any, jobs: list[Job], tracker: RequestTracker) -> list[GenerateOutput]:
+    async def one(job: Job) -> GenerateOutput:
         out = await engine.agenerate(**job.inputs, params=job.params)
         tracker.tokens(len(out.token_ids))
         return out
@@ -227,12 +226,12 @@ async def _run_jobs(request: Request, engine: Any, jobs: list[_Job], tracker: Re
             task.cancel()
         tracker.finish()
         raise
-    usage = _usage(outs, [j.group for j in jobs])
+    usage = usage_info(outs, [j.group for j in jobs])
     tracker.finish(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
     return outs
 
 
-def _usage(outs: Sequence[GenerateOutput | None], groups: Sequence[int]) -> UsageInfo:
+def usage_info(outs: Sequence[GenerateOutput | None], groups: Sequence[int]) -> UsageInfo:
     """Prompt tokens count once per prompt (not once per sample), completion tokens per sample."""
     prompt: dict[int, int] = {}
     cached: dict[int, int] = {}
@@ -248,7 +247,7 @@ def _usage(outs: Sequence[GenerateOutput | None], groups: Sequence[int]) -> Usag
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
 
 
-def _chunk_as_output(chunk: StreamChunk, text: str, token_ids: list[int]) -> GenerateOutput:
+def chunk_as_output(chunk: StreamChunk, text: str, token_ids: list[int]) -> GenerateOutput:
     return GenerateOutput(text=text, token_ids=token_ids, finish_reason=chunk.finish_reason or "abort",
                           meta=chunk.meta or RequestMeta(completion_tokens=len(token_ids)))
 
@@ -259,7 +258,7 @@ def _chunk_as_output(chunk: StreamChunk, text: str, token_ids: list[int]) -> Gen
 _DONE = object()
 
 
-class _MergedStreams:
+class MergedStreams:
     """Runs one `astream` per job in its own task and yields (job index, chunk) as they come.
 
     Errors of a stream are re-raised to the consumer; `close()` cancels every task, which closes
@@ -267,12 +266,12 @@ class _MergedStreams:
     cancelled scope).
     """
 
-    def __init__(self, engine: Any, jobs: Sequence[_Job]) -> None:
+    def __init__(self, engine: Any, jobs: Sequence[Job]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(i, engine, job)) for i, job in enumerate(jobs)]
         self._remaining = len(jobs)
 
-    async def _pump(self, index: int, engine: Any, job: _Job) -> None:
+    async def _pump(self, index: int, engine: Any, job: Job) -> None:
         try:
             async with aclosing(engine.astream(**job.inputs, params=job.params)) as stream:
                 async for chunk in stream:
@@ -316,15 +315,15 @@ class _ClosingStreamingResponse(StreamingResponse):
                 await close()
 
 
-def _sse(payload: Any) -> str:
+def sse_event(payload: Any) -> str:
     body = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
     return f"data: {body}\n\n"
 
 
-async def _open_streams(state: _Server, jobs: list[_Job]) -> tuple[_MergedStreams, tuple[int, StreamChunk] | None]:
+async def open_streams(state: ServerState, jobs: list[Job]) -> tuple[MergedStreams, tuple[int, StreamChunk] | None]:
     """Start the streams and wait for the first chunk, so submit-time errors (bad schema, prompt
     too long) still become 4xx responses instead of a broken event stream."""
-    streams = _MergedStreams(state.engine, jobs)
+    streams = MergedStreams(state.engine, jobs)
     try:
         first = await streams.next()
     except BaseException:
@@ -333,7 +332,7 @@ async def _open_streams(state: _Server, jobs: list[_Job]) -> tuple[_MergedStream
     return streams, first
 
 
-async def _iterate(streams: _MergedStreams, first: tuple[int, StreamChunk] | None) -> AsyncIterator[tuple[int, StreamChunk]]:
+async def iterate_streams(streams: MergedStreams, first: tuple[int, StreamChunk] | None) -> AsyncIterator[tuple[int, StreamChunk]]:
     item = first
     while item is not None:
         yield item
@@ -345,13 +344,13 @@ def _stream_error_event(exc: BaseException) -> str:
     return f"data: {resp.body.decode()}\n\n"
 
 
-def _finish_stream_tracker(tracker: RequestTracker, finals: Sequence[GenerateOutput | None], jobs: Sequence[_Job]) -> None:
-    usage = _usage(finals, [j.group for j in jobs])
+def _finish_stream_tracker(tracker: RequestTracker, finals: Sequence[GenerateOutput | None], jobs: Sequence[Job]) -> None:
+    usage = usage_info(finals, [j.group for j in jobs])
     tracker.finish(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
 
 
-def _sse_response(events: AsyncGenerator[str, None], streams: _MergedStreams, tracker: RequestTracker,
-                  finals: list[GenerateOutput | None], jobs: Sequence[_Job]) -> StreamingResponse:
+def sse_response(events: AsyncGenerator[str, None], streams: MergedStreams, tracker: RequestTracker,
+                  finals: list[GenerateOutput | None], jobs: Sequence[Job]) -> StreamingResponse:
     """Stream `events` (SSE lines that fill `finals` as requests finish), then `data: [DONE]`.
 
     An error after the 200 status is sent is reported in-band: an error event, then [DONE]. A

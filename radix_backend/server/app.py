@@ -9,8 +9,8 @@ A client that goes away aborts its requests: streams close the engine's async ge
 non-streaming calls are cancelled when the connection drops (`_cancel_on_disconnect`).
 
 This module assembles the app (info endpoints, error handlers, metrics) and runs it; the routes
-live in `server_openai` (/v1/completions, /v1/chat/completions) and `server_native` (/generate),
-what they share in `server_common`.
+live in `openai_api` (/v1/completions, /v1/chat/completions) and `native_api` (/generate),
+what they share in `common`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import threading
 import time
 from typing import Any
 
-from .config import add_cli_args, from_cli_args
-from .errors import InvalidRequestError, MissingDependencyError, RadixBackendError
+from ..config import add_cli_args, from_cli_args
+from ..errors import InvalidRequestError, MissingDependencyError, RadixBackendError
 
 try:
     import uvicorn
@@ -33,12 +33,12 @@ try:
 except ImportError as exc:  # pragma: no cover - the server extra installs them
     raise MissingDependencyError.for_extra("fastapi and uvicorn", "server") from exc
 
+from .common import DEFAULT_MODEL_PATH, ClientDisconnected, ModelNotFoundError, error_json, ServerState, error_response
 from .metrics import ServerMetrics
+from .native_api import add_native_routes
+from .openai_api import add_openai_routes
+from .protocol import ModelCard, ModelList
 from .router import POLICIES as ROUTER_POLICIES
-from .server_common import DEFAULT_MODEL_PATH, ClientDisconnected, ModelNotFoundError, _error, _Server, error_response
-from .server_native import add_native_routes
-from .server_openai import add_openai_routes
-from .server_protocol import ModelCard, ModelList
 
 __all__ = ["DEFAULT_MODEL_PATH", "ClientDisconnected", "ModelNotFoundError", "ServerThread", "add_serve_args",
            "build_engine", "create_app", "error_response", "main", "run_serve", "serve"]
@@ -90,7 +90,7 @@ class _MetricsMiddleware:
 def create_app(engine: Any, *, served_model_name: str | None = None, model_path: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an Engine, or anything with its API such as the
     data-parallel `Router`). The engine is not shut down by the app; `serve()` does that."""
-    state = _Server(engine, served_model_name, model_path)
+    state = ServerState(engine, served_model_name, model_path)
     app = FastAPI(title="radix-backend", version="0.1.0")
     app.state.server = state
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics",
@@ -99,11 +99,11 @@ def create_app(engine: Any, *, served_model_name: str | None = None, model_path:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(400, _validation_message(exc))
+        return error_json(400, _validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), code=str(exc.status_code))
+        return error_json(exc.status_code, str(exc.detail), code=str(exc.status_code))
 
     @app.exception_handler(RadixBackendError)
     async def _on_error(_: Request, exc: RadixBackendError) -> JSONResponse:
@@ -118,7 +118,7 @@ def create_app(engine: Any, *, served_model_name: str | None = None, model_path:
     @app.get("/health")
     async def health() -> JSONResponse:
         if getattr(engine, "is_shutdown", False):
-            return _error(503, "engine is shut down", err_type="service_unavailable")
+            return error_json(503, "engine is shut down", err_type="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -204,7 +204,7 @@ def build_engine(model: str | None = None, *, dp_size: int = 1, router_policy: s
     if dp_size < 1:
         raise InvalidRequestError(f"dp_size must be >= 1, got {dp_size}")
     if dp_size == 1:
-        from .engine import Engine
+        from ..engine import Engine
 
         return Engine(model, **engine_kwargs)
     from .router import Router
@@ -246,7 +246,3 @@ def run_serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     """`python -m radix_backend.server --model ...` (same flags as `radix-backend serve`)."""
     run_serve(add_serve_args(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -14,13 +14,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from ..outputs import GenerateOutput
+from ..sampling_params import SamplingParams
+from .common import (chunk_as_output, iterate_streams, Job, open_streams, run_jobs, ServerState, sse_event,
+                            sse_response)
 from .metrics import RequestTracker
-from .outputs import GenerateOutput
-from .sampling_params import SamplingParams
-from .server_common import (_chunk_as_output, _iterate, _Job, _open_streams, _run_jobs, _Server, _sse,
-                            _sse_response)
-from .server_protocol import GenerateReqInput, sglang_finish_reason
+from .protocol import GenerateReqInput, sglang_finish_reason
 
 # SGLang sampling_params keys that change nothing here (formatting / scheduling hints).
 _SGLANG_IGNORED_KEYS = {"spaces_between_special_tokens", "no_stop_trim", "stream_interval", "custom_params",
@@ -28,7 +28,7 @@ _SGLANG_IGNORED_KEYS = {"spaces_between_special_tokens", "no_stop_trim", "stream
 _SGLANG_RENAMED_KEYS = {"ebnf": "grammar", "sampling_seed": "seed"}
 
 
-def add_native_routes(app: FastAPI, state: _Server) -> None:
+def add_native_routes(app: FastAPI, state: ServerState) -> None:
     """Register SGLang's /generate on `app`, served from `state`."""
     engine = state.engine
 
@@ -38,7 +38,7 @@ def add_native_routes(app: FastAPI, state: _Server) -> None:
         tracker = state.metrics.track("/generate")
         if req.stream:
             return await _stream_sglang(state, jobs, specs, tracker)
-        outs = await _run_jobs(request, engine, jobs, tracker)
+        outs = await run_jobs(request, engine, jobs, tracker)
         results = [await _sglang_result(state, job, spec, out, req.return_text_in_logprobs)
                    for job, spec, out in zip(jobs, specs, outs)]
         return results if (req.is_batch or len(results) > 1) else results[0]
@@ -88,7 +88,7 @@ class _LogprobSpec:
     index: int = 0
 
 
-def _sglang_jobs(req: GenerateReqInput) -> tuple[list[_Job], list[_LogprobSpec]]:
+def _sglang_jobs(req: GenerateReqInput) -> tuple[list[Job], list[_LogprobSpec]]:
     if (req.text is None) == (req.input_ids is None):
         raise InvalidRequestError("set exactly one of text or input_ids")
     if req.text is not None:
@@ -116,7 +116,7 @@ def _sglang_jobs(req: GenerateReqInput) -> tuple[list[_Job], list[_LogprobSpec]]
             params.validate()
         rid = req.item("rid", i)
         for j in range(n):
-            job = _Job(inputs=inputs, params=params, group=i)
+            job = Job(inputs=inputs, params=params, group=i)
             if rid is not None:
                 job.rid = str(rid) if n == 1 else f"{rid}-{j}"
             jobs.append(job)
@@ -127,11 +127,11 @@ def _sglang_jobs(req: GenerateReqInput) -> tuple[list[_Job], list[_LogprobSpec]]
 # ============================================================================ results
 
 
-def _lp_entry(logprob: float | None, token_id: int, state: _Server, with_text: bool) -> list[Any]:
+def _lp_entry(logprob: float | None, token_id: int, state: ServerState, with_text: bool) -> list[Any]:
     return [logprob, token_id, state.tok(token_id) if with_text else None]
 
 
-async def _input_logprobs(state: _Server, job: _Job, start: int, with_text: bool) -> list[list[Any]]:
+async def _input_logprobs(state: ServerState, job: Job, start: int, with_text: bool) -> list[list[Any]]:
     """SGLang's input_token_logprobs from `start`: [logprob, id, text]; the first prompt token has None."""
     ids = job.inputs.get("input_ids") or state.engine.encode(job.inputs["prompt"])
     start = max(0, start)
@@ -147,7 +147,7 @@ async def _input_logprobs(state: _Server, job: _Job, start: int, with_text: bool
     return entries
 
 
-async def _sglang_result(state: _Server, job: _Job, spec: _LogprobSpec, out: GenerateOutput,
+async def _sglang_result(state: ServerState, job: Job, spec: _LogprobSpec, out: GenerateOutput,
                          with_text: bool) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": job.rid,
@@ -171,27 +171,27 @@ async def _sglang_result(state: _Server, job: _Job, spec: _LogprobSpec, out: Gen
     return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta, "index": spec.index}
 
 
-async def _stream_sglang(state: _Server, jobs: list[_Job], specs: list[_LogprobSpec],
+async def _stream_sglang(state: ServerState, jobs: list[Job], specs: list[_LogprobSpec],
                          tracker: RequestTracker) -> StreamingResponse:
     """SGLang streams cumulative text (`data: {"text": <all so far>, "meta_info": ...}`), then [DONE]."""
-    streams, first = await _open_streams(state, jobs)
+    streams, first = await open_streams(state, jobs)
     finals: list[GenerateOutput | None] = [None] * len(jobs)
 
     async def events() -> AsyncGenerator[str, None]:
         texts = [""] * len(jobs)
         ids: list[list[int]] = [[] for _ in jobs]
-        async for i, chunk in _iterate(streams, first):
+        async for i, chunk in iterate_streams(streams, first):
             tracker.tokens(len(chunk.token_ids))
             texts[i] += chunk.text
             ids[i] += chunk.token_ids
             meta = chunk.meta
             finish = None
             if chunk.finish_reason is not None:
-                finals[i] = _chunk_as_output(chunk, texts[i], ids[i])
+                finals[i] = chunk_as_output(chunk, texts[i], ids[i])
                 finish = sglang_finish_reason(chunk.finish_reason, meta.matched_stop if meta else None, len(ids[i]))
             info = {"id": jobs[i].rid, "finish_reason": finish,
                     "prompt_tokens": meta.prompt_tokens if meta else None,
                     "completion_tokens": len(ids[i]), "cached_tokens": meta.cached_tokens if meta else None}
-            yield _sse({"text": texts[i], "output_ids": ids[i], "meta_info": info, "index": specs[i].index})
+            yield sse_event({"text": texts[i], "output_ids": ids[i], "meta_info": info, "index": specs[i].index})
 
-    return _sse_response(events(), streams, tracker, finals, jobs)
+    return sse_response(events(), streams, tracker, finals, jobs)
