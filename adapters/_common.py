@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from radix_backend.engine_like import EngineLike
 from radix_backend.errors import InvalidRequestError, MissingDependencyError
 from radix_backend.outputs import RequestMeta
 from radix_backend.sampling_params import SamplingParams
@@ -30,7 +31,7 @@ def require(module: str, extra: str, package: str | None = None) -> ModuleType:
         raise MissingDependencyError.for_extra(package or module.split(".")[0], extra) from exc
 
 
-def resolve_engine(engine: Any, model: str | None) -> Any:
+def resolve_engine(engine: EngineLike | None, model: str | None) -> EngineLike:
     """The engine to use: the one given, else the process-shared engine for `model`."""
     if engine is not None:
         return engine

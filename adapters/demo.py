@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from radix_backend.engine_like import EngineLike
 
-def _computed_and_cached(engine: Any, before: Any) -> str:
+
+def _computed_and_cached(engine: EngineLike, before: Any) -> str:
     after = engine.cache_stats()
     prompt = after.prompt_tokens - before.prompt_tokens
     cached = after.cached_tokens - before.cached_tokens
     return f"{cached}/{prompt} prompt tokens from cache"
 
 
-def run_adapter_demo(engine: Any, system: str, max_tokens: int = 24) -> None:
+def run_adapter_demo(engine: EngineLike, system: str, max_tokens: int = 24) -> None:
     """Each framework is skipped (with the install hint) when its extra is missing."""
     question = "In one sentence, what is a radix tree?"
     try:
@@ -40,7 +42,7 @@ def run_adapter_demo(engine: Any, system: str, max_tokens: int = 24) -> None:
     except ImportError as exc:
         print(f"   LlamaIndex: skipped ({exc})")
     try:
-        from guidance import assistant, gen, select, system as g_system, user
+        from guidance import assistant, select, system as g_system, user
 
         from .guidance import RadixGuidance
 

@@ -25,6 +25,7 @@ from guidance.models._engine import EngineInterpreter, LogitsOutput  # noqa: E40
 from guidance.models._transformers import TransformersTokenizer  # noqa: E402
 
 from radix_backend.radix_cache import common_prefix_len  # noqa: E402
+from radix_backend.engine_like import LogitsEngine  # noqa: E402
 from radix_backend.errors import InvalidRequestError, PromptTooLongError  # noqa: E402
 
 __all__ = ["RadixGuidance", "RadixGuidanceEngine"]
@@ -57,7 +58,7 @@ def _guidance_tokenizer(hf_tokenizer: Any, chat_template: Any) -> TransformersTo
 class RadixGuidanceEngine(GuidanceEngine):
     """guidance Engine whose logits come from the radix engine's `next_token_logits`."""
 
-    def __init__(self, engine: Any, *, chat_template: Any = None, enable_backtrack: bool = True,
+    def __init__(self, engine: LogitsEngine, *, chat_template: Any = None, enable_backtrack: bool = True,
                  enable_ff_tokens: bool = True, enable_monitoring: bool = False,
                  enable_token_probabilities: bool = False, enable_top_k: bool = False, top_k: int = 5) -> None:
         if not callable(getattr(engine, "next_token_logits", None)):

@@ -9,26 +9,23 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from radix_backend.engine_like import EngineLike
 from radix_backend.outputs import ChoiceScore, GenerateOutput, StreamChunk
 from radix_backend.sampling_params import SamplingParams
 
 from ..chat_template import ChatTemplate, from_renderer
 from .base import BaseBackend
 
-if TYPE_CHECKING:
-    from radix_backend.engine import Engine
-
-
 class RadixEngineBackend(BaseBackend):
-    def __init__(self, engine: "Engine | None" = None, *, chat_template: ChatTemplate | None = None) -> None:
+    def __init__(self, engine: EngineLike | None = None, *, chat_template: ChatTemplate | None = None) -> None:
         self._engine = engine
         self._chat_template = chat_template
         self._lock = threading.Lock()
 
     @property
-    def engine(self) -> "Engine":
+    def engine(self) -> EngineLike:
         """The wrapped engine; the process-shared `get_engine()` one unless given (created on first use)."""
         with self._lock:
             if self._engine is None:

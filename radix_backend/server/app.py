@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from ..config import add_cli_args, from_cli_args
+from ..engine_like import EngineLike
 from ..errors import InvalidRequestError, MissingDependencyError, RadixBackendError
 
 try:
@@ -87,7 +88,7 @@ class _MetricsMiddleware:
 # ============================================================================ the app
 
 
-def create_app(engine: Any, *, served_model_name: str | None = None, model_path: str | None = None) -> FastAPI:
+def create_app(engine: EngineLike, *, served_model_name: str | None = None, model_path: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an Engine, or anything with its API such as the
     data-parallel `Router`). The engine is not shut down by the app; `serve()` does that."""
     state = ServerState(engine, served_model_name, model_path)
@@ -199,7 +200,7 @@ class ServerThread:
 
 
 def build_engine(model: str | None = None, *, dp_size: int = 1, router_policy: str = "cache_aware",
-                 **engine_kwargs: Any) -> Any:
+                 **engine_kwargs: Any) -> EngineLike:
     """One Engine, or `dp_size` Engines behind a cache-aware data-parallel router."""
     if dp_size < 1:
         raise InvalidRequestError(f"dp_size must be >= 1, got {dp_size}")

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..engine_like import EngineLike
 from ..errors import (ConstraintError, EngineShutdownError, InvalidRequestError, KVCacheTooSmallError,
                      PromptTooLongError, RequestAbortedError)
 from ..outputs import GenerateOutput, RequestMeta, StreamChunk
@@ -74,7 +75,7 @@ def error_response(exc: BaseException) -> JSONResponse:
 class ServerState:
     """The handlers' shared state: the engine, served model names, metrics."""
 
-    def __init__(self, engine: Any, served_model_name: str | None, model_path: str | None) -> None:
+    def __init__(self, engine: EngineLike, served_model_name: str | None, model_path: str | None) -> None:
         self.engine = engine
         self.model_path = model_path or getattr(engine, "model_path", None) or DEFAULT_MODEL_PATH
         self.model_name = served_model_name or getattr(engine, "model_name", None) or self.model_path
@@ -166,7 +167,7 @@ class ServerState:
 class TokenText:
     """Token id -> its text, cached (logprob responses repeat the same tokens a lot)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineLike) -> None:
         self.engine = engine
         self._cache: dict[int, str] = {}
 
@@ -212,7 +213,7 @@ async def _cancel_on_disconnect(request: Request, awaitable: Awaitable[Any]) -> 
     return task.result()
 
 
-async def run_jobs(request: Request, engine: Any, jobs: list[Job], tracker: RequestTracker) -> list[GenerateOutput]:
+async def run_jobs(request: Request, engine: EngineLike, jobs: list[Job], tracker: RequestTracker) -> list[GenerateOutput]:
     async def one(job: Job) -> GenerateOutput:
         out = await engine.agenerate(**job.inputs, params=job.params)
         tracker.tokens(len(out.token_ids))
@@ -266,12 +267,12 @@ class MergedStreams:
     cancelled scope).
     """
 
-    def __init__(self, engine: Any, jobs: Sequence[Job]) -> None:
+    def __init__(self, engine: EngineLike, jobs: Sequence[Job]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.ensure_future(self._pump(i, engine, job)) for i, job in enumerate(jobs)]
         self._remaining = len(jobs)
 
-    async def _pump(self, index: int, engine: Any, job: Job) -> None:
+    async def _pump(self, index: int, engine: EngineLike, job: Job) -> None:
         try:
             async with aclosing(engine.astream(**job.inputs, params=job.params)) as stream:
                 async for chunk in stream:

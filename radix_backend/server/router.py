@@ -28,6 +28,7 @@ from contextlib import aclosing, closing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine_like import EngineLike
 from ..errors import InvalidRequestError
 from ..outputs import ChoiceScore, GenerateOutput, StreamChunk
 from ..radix_cache import common_prefix_len
@@ -141,7 +142,7 @@ class RouterStats:
 class Router:
     """`dp_size` engines behind one Engine-like front that routes each request (see module doc)."""
 
-    def __init__(self, replicas: Sequence[Any], *, policy: str = "cache_aware", cache_threshold: float = 0.5,
+    def __init__(self, replicas: Sequence[EngineLike], *, policy: str = "cache_aware", cache_threshold: float = 0.5,
                  balance_abs_threshold: int = 4, balance_rel_threshold: float = 1.5,
                  tree_capacity_tokens: int | None = None) -> None:
         if not replicas:
@@ -289,23 +290,23 @@ class Router:
         key = self.routing_key(**item)
         return self.choose(key), key
 
-    def _generate_one(self, item: dict[str, Any], params: Any) -> GenerateOutput:
+    def _generate_one(self, item: dict[str, Any], params: Any, timeout: float | None = None) -> GenerateOutput:
         idx, key = self._route(item)
         out = None
         try:
-            out = self.replicas[idx].generate(**item, params=params)
+            out = self.replicas[idx].generate(**item, params=params, timeout=timeout)
             return out
         finally:
             self.release(idx, key, out.token_ids if out is not None else ())
 
     def generate(self, prompt: Any = None, params: Any = None, *, input_ids: Any = None,
-                 messages: Any = None) -> GenerateOutput | list[GenerateOutput]:
+                 messages: Any = None, timeout: float | None = None) -> GenerateOutput | list[GenerateOutput]:
         items, plist, batch = self._split(prompt, params, input_ids, messages)
         if not batch:
-            return self._generate_one(items[0], plist[0])
+            return self._generate_one(items[0], plist[0], timeout)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="radix-router")
-        return list(self._pool.map(self._generate_one, items, plist))
+        return list(self._pool.map(self._generate_one, items, plist, [timeout] * len(items)))
 
     async def _agenerate_one(self, item: dict[str, Any], params: Any) -> GenerateOutput:
         idx, key = self._route(item)
