@@ -33,7 +33,7 @@ __all__ = ["RadixGuidance", "RadixGuidanceEngine"]
 _TOKENIZERS: "weakref.WeakKeyDictionary[Any, TransformersTokenizer]" = weakref.WeakKeyDictionary()
 
 
-def _default_chat_template(hf_tokenizer: Any) -> str | type[ChatTemplate] | None:
+def default_chat_template(hf_tokenizer: Any) -> str | type[ChatTemplate] | None:
     """ChatML models (SmolLM2, Qwen...) get guidance's ChatML class; others their HF jinja string."""
     template = getattr(hf_tokenizer, "chat_template", None)
     if isinstance(template, str) and "<|im_start|>" in template:
@@ -48,9 +48,9 @@ def _guidance_tokenizer(hf_tokenizer: Any, chat_template: Any) -> TransformersTo
     try:
         cached = _TOKENIZERS.get(hf_tokenizer)
     except TypeError:  # not weak-referenceable
-        return TransformersTokenizer(hf_tokenizer, chat_template=_default_chat_template(hf_tokenizer))
+        return TransformersTokenizer(hf_tokenizer, chat_template=default_chat_template(hf_tokenizer))
     if cached is None:
-        cached = TransformersTokenizer(hf_tokenizer, chat_template=_default_chat_template(hf_tokenizer))
+        cached = TransformersTokenizer(hf_tokenizer, chat_template=default_chat_template(hf_tokenizer))
         _TOKENIZERS[hf_tokenizer] = cached
     return cached
 

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from radix_backend.bench import server_bench as sb
+from radix_backend.bench import workloads
 from radix_backend.server import ServerThread, create_app
 
 from test_server import FakeEngine
@@ -17,21 +18,21 @@ from test_server import FakeEngine
 def test_iter_json_array_reads_incrementally() -> None:
     records = [{"id": i, "conversations": [{"from": "human", "value": "x" * 50 + "é"}]} for i in range(20)]
     fh = io.BytesIO(json.dumps(records, ensure_ascii=False).encode())
-    got = list(sb._iter_json_array(fh, limit=5, chunk_size=7))  # chunks split objects and UTF-8 sequences
+    got = list(workloads._iter_json_array(fh, limit=5, chunk_size=7))  # chunks split objects and UTF-8 sequences
     assert got == records[:5]
-    assert list(sb._iter_json_array(io.BytesIO(b"[]"), limit=3)) == []
+    assert list(workloads._iter_json_array(io.BytesIO(b"[]"), limit=3)) == []
 
 
 def test_to_messages_alternates_and_ends_on_user() -> None:
     turns = [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"}, {"from": "human", "value": "q2"},
              {"from": "gpt", "value": "a2"}, {"from": "human", "value": "q3"}]
-    assert [m["content"] for m in sb._to_messages(turns, max_turns=2, max_chars=10)] == ["q1", "a1", "q2"]
-    assert sb._to_messages([{"from": "gpt", "value": "hi"}], 3, 10) == []
-    assert sb._to_messages(turns[:2], 3, 10) == [{"role": "user", "content": "q1"}]
+    assert [m["content"] for m in workloads._to_messages(turns, max_turns=2, max_chars=10)] == ["q1", "a1", "q2"]
+    assert workloads._to_messages([{"from": "gpt", "value": "hi"}], 3, 10) == []
+    assert workloads._to_messages(turns[:2], 3, 10) == [{"role": "user", "content": "q1"}]
 
 
 def test_sharegpt_loader() -> None:
-    convs = sb.load_sharegpt_conversations(4, max_turns=2, max_message_chars=100)
+    convs = workloads.load_sharegpt_conversations(4, max_turns=2, max_message_chars=100)
     assert len(convs) == 4
     for conv in convs:
         assert conv[0]["role"] == "user" and conv[-1]["role"] == "user"

