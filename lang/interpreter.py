@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-from radix_backend.outputs import GenerateOutput, RequestMeta
+from radix_backend.outputs import GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
 from radix_backend.sampling_params import SamplingParams
 
 from .chat_template import ChatTemplate
-from .errors import ProgramError, StreamUsageError, UnknownVariableError
+from .errors import ProgramError, StreamUsageError, UnknownVariableError, UnsupportedFeatureError
+from .global_config import global_config
 from .ir import (
+    DTYPE_REGEXES,
+    GenOptions,
     Program,
     BACKEND_NODES,
     TRACE_ONLY_NODES,
@@ -46,16 +50,14 @@ from .roles import RoleMethods
 if TYPE_CHECKING:
     from .backends.base import BaseBackend
 
-INT_REGEX = r"[-+]?[0-9]+"
-FLOAT_REGEX = r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
-
-
 class ProgramRun:
     """One execution of a program: its states, backend, default sampling params and thread."""
 
-    def __init__(self, backend: "BaseBackend", defaults: SamplingParams, chat_template: ChatTemplate | None = None) -> None:
+    def __init__(self, backend: "BaseBackend", defaults: SamplingParams, chat_template: ChatTemplate | None = None,
+                 options: GenOptions | None = None) -> None:
         self.backend = backend
         self.defaults = defaults
+        self.options = options or GenOptions(n=1, return_text_in_logprobs=False)
         self._chat_template = chat_template
         self.states: list[ProgramState] = []
         self.lock = threading.RLock()
@@ -86,6 +88,8 @@ class ProgramState(RoleMethods):
         self._messages: list[dict[str, str]] = []
         self._variables: dict[str, Any] = {}
         self._var_raw: dict[str, str] = {}  # generated text of each variable (streamed while it grows)
+        self._var_logprobs: dict[str, list[tuple[Any, ...]]] = {}  # streamed variables' output token logprobs
+        self._var_tokens: dict[str, int] = {}  # streamed variables' completion tokens so far
         self._vars_done: set[str] = set()
         self._meta: dict[str, dict[str, Any]] = {}
         self._written: set[str] = set()  # variables set since this state was forked (gathered by join)
@@ -184,15 +188,17 @@ class ProgramState(RoleMethods):
         return f"ProgramState({self._text[-200:]!r})"
 
     # ---- streaming --------------------------------------------------------------------
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """Increments of the text (or of variable `var_name`) while a streamed program runs."""
+    def text_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> Iterator[Any]:
+        """Increments of the text (or of variable `var_name`) while a streamed program runs. With
+        `return_meta_data` (and a variable), `(chunk, meta_info)` pairs: the chunk's
+        `output_token_logprobs` (when the gen returns logprobs) and the running `completion_tokens`."""
         self._check_stream("text_iter")
-        return self._iter(var_name)
+        return self._iter(var_name, return_meta_data)
 
-    def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+    def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
         """`async for` version of text_iter; waiting happens on a worker thread, not the event loop."""
         self._check_stream("text_async_iter")
-        it = self._iter(var_name)
+        it = self._iter(var_name, return_meta_data)
 
         async def agen() -> AsyncIterator[str]:
             done = object()
@@ -211,8 +217,10 @@ class ProgramState(RoleMethods):
                 f"for a finished run read state.text() or state[name]"
             )
 
-    def _iter(self, var_name: str | None) -> Iterator[str]:
-        run, pos = self._run, 0
+    def _iter(self, var_name: str | None, return_meta_data: bool = False) -> Iterator[Any]:
+        if return_meta_data and var_name is None:
+            raise StreamUsageError("text_iter(return_meta_data=True) needs a variable name: meta data is per gen")
+        run, pos, lp_pos = self._run, 0, 0
         while True:
             with self._cond:
                 while True:
@@ -221,8 +229,13 @@ class ProgramState(RoleMethods):
                     if len(current) > pos or finished:
                         break
                     self._cond.wait()
+                if return_meta_data:
+                    logprobs = self._var_logprobs.get(var_name, [])
+                    meta = {"output_token_logprobs": logprobs[lp_pos:],
+                            "completion_tokens": self._var_tokens.get(var_name, 0)}
+                    lp_pos = len(logprobs)
             if len(current) > pos:
-                yield current[pos:]
+                yield (current[pos:], meta) if return_meta_data else current[pos:]
                 pos = len(current)
             if finished:
                 break
@@ -232,11 +245,14 @@ class ProgramState(RoleMethods):
             raise UnknownVariableError(f"text_iter({var_name!r}): the program produced no variable {var_name!r}")
 
     # ---- execution of local nodes -------------------------------------------------------
-    def _append(self, text: str, var: str | None = None) -> None:
+    def _append(self, text: str, var: str | None = None, chunk: StreamChunk | None = None) -> None:
         with self._cond:
             self._text += text
             if var is not None:
                 self._var_raw[var] = self._var_raw.get(var, "") + text
+            if var is not None and chunk is not None:  # a streamed gen: its tokens, for text_iter's meta data
+                self._var_tokens[var] = self._var_tokens.get(var, 0) + len(chunk.token_ids)
+                self._var_logprobs.setdefault(var, []).extend((t.logprob, t.token_id) for t in chunk.logprobs or [])
             self._cond.notify_all()
 
     def _set_var(self, name: str, value: Any, meta: dict[str, Any] | None = None, raw: str | None = None) -> None:
@@ -317,10 +333,20 @@ class ProgramStateGroup:
         if callable(other) and not isinstance(other, (str, SglExpr)):
             for i, s in enumerate(self.states):
                 s += other(i)
+        elif isinstance(other, (list, tuple)):
+            if len(other) != len(self.states):
+                raise ProgramError(f"forks += list needs one item per fork ({len(self.states)}), got {len(other)}")
+            for s, item in zip(self.states, other):
+                s += item
         else:
             for s in self.states:
                 s += other
         return self
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        """`forks[i] += expr` appends to the fork in place, then stores it back: only that state fits."""
+        if value is not self.states[i]:
+            raise ProgramError(f"forks[{i}] = ... can only store back forks[{i}] itself (write forks[{i}] += expr)")
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
@@ -394,37 +420,54 @@ def _execute_backend_step(work: list[tuple[ProgramState, SglExpr]]) -> None:
             batch.setdefault(id(st._run.backend), []).append((st, node))
     for items in batch.values():
         backend = items[0][0]._run.backend
-        outs = backend.generate([st._text for st, _ in items], [_gen_params(st._run, node) for st, node in items])
-        if len(outs) != len(items):
-            raise RuntimeError(f"backend returned {len(outs)} outputs for {len(items)} prompts")
-        for (st, node), out in zip(items, outs):
-            st._append(out.text)
-            _store_gen(st, node, out)
+        counts = [_gen_options(st._run, node).n for st, node in items]  # n samples: n requests
+        prompts = [st._text for (st, _), k in zip(items, counts) for _ in range(k)]
+        params = [_gen_params(st._run, node) for (st, node), k in zip(items, counts) for _ in range(k)]
+        outs = backend.generate(prompts, params)
+        if len(outs) != len(prompts):
+            raise RuntimeError(f"backend returned {len(outs)} outputs for {len(prompts)} prompts")
+        start = 0
+        for (st, node), k in zip(items, counts):
+            mine, start = outs[start:start + k], start + k
+            prompt = st._text
+            st._append(mine[0].text)
+            _store_gen(st, node, mine, prompt)
+
+
+def _gen_options(run: ProgramRun, node: SglGen) -> GenOptions:
+    return node.options.over(run.options)
 
 
 def _gen_params(run: ProgramRun, node: SglGen) -> SamplingParams:
+    """The gen's SamplingParams: the run's defaults, its own overrides, then its dtype (as SGLang's
+    runtime endpoint: the dtype's regex replaces any other constraint; int/float stop at space/newline)."""
     p = run.defaults.copy(**node.overrides)
-    if node.dtype in (int, float) and not p.has_constraint:
-        p = p.copy(regex=INT_REGEX if node.dtype is int else FLOAT_REGEX)
+    if node.dtype is not None:
+        if p.has_constraint and p.regex != DTYPE_REGEXES[node.dtype]:
+            warnings.warn(f"gen({node.name!r}) sets both dtype and a constraint; only dtype is used (as in SGLang)",
+                          stacklevel=2)
+        stop = list(p.stop) + ([" ", "\n"] if node.dtype in (int, float) else [])
+        p = p.copy(regex=DTYPE_REGEXES[node.dtype], json_schema=None, grammar=None, choices=None, stop=stop)
     return p
 
 
-def _store_gen(st: ProgramState, node: SglGen, out: GenerateOutput) -> None:
+def _store_gen(st: ProgramState, node: SglGen, outs: list[GenerateOutput], prompt: str) -> None:
+    """Variable `node.name` := the text (a list of n texts for n > 1), with SGLang-style meta info."""
     if node.name is None:
         return
-    st._set_var(node.name, _convert(node, out.text), gen_meta(out), raw=out.text)
-
-
-def _convert(node: SglGen, text: str) -> Any:
-    if node.dtype in (int, float):
-        try:
-            return node.dtype(text.strip())
-        except ValueError:
-            raise ProgramError(
-                f"gen({node.name!r}, dtype={node.dtype.__name__}) produced {text!r}, which does not parse; "
-                f"raise max_tokens or use a backend that enforces regex constraints"
-            ) from None
-    return text
+    meta = gen_meta(outs[0])
+    options = _gen_options(st._run, node)
+    params = _gen_params(st._run, node)
+    backend = st._run.backend
+    if params.logprobs and options.logprob_start_len is not None:
+        meta["input_token_logprobs"] = backend.prompt_logprobs(prompt, max(0, options.logprob_start_len))
+    if params.logprobs and options.return_text_in_logprobs:
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            entries = meta.get(key) or []
+            texts = backend.token_texts([e[1] for e in entries])
+            meta[key] = [(*e[:2], text) for e, text in zip(entries, texts)]
+    texts = [o.text for o in outs]
+    st._set_var(node.name, texts if len(outs) > 1 else texts[0], meta, raw=texts[0])
 
 
 def gen_meta(out: GenerateOutput) -> dict[str, Any]:
@@ -447,17 +490,23 @@ def gen_meta(out: GenerateOutput) -> dict[str, Any]:
 
 def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
     params = _gen_params(st._run, node)
+    if _gen_options(st._run, node).n != 1:
+        raise UnsupportedFeatureError(f"gen({node.name!r}, n>1) cannot stream; run the program without stream=True")
+    prompt = st._text
     parts: list[str] = []
     ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
     finish, meta = None, None
-    for chunk in st._run.backend.generate_stream(st._text, params):
-        st._append(chunk.text, var=node.name)
+    for chunk in st._run.backend.generate_stream(prompt, params):
+        st._append(chunk.text, var=node.name, chunk=chunk)
         parts.append(chunk.text)
         ids.extend(chunk.token_ids)
+        logprobs.extend(chunk.logprobs or [])
         finish = chunk.finish_reason or finish
         meta = chunk.meta or meta
-    out = GenerateOutput("".join(parts), ids, finish or "stop", meta or RequestMeta())
-    _store_gen(st, node, out)
+    out = GenerateOutput("".join(parts), ids, finish or "stop", meta or RequestMeta(),
+                         logprobs=logprobs if params.logprobs else None)
+    _store_gen(st, node, [out], prompt)
 
 
 def _execute_select(st: ProgramState, node: SglSelect) -> None:
@@ -473,10 +522,11 @@ def _execute_select(st: ProgramState, node: SglSelect) -> None:
 
 
 def run_program(program: Program, backend: "BaseBackend", arguments: dict[str, Any],
-                defaults: SamplingParams, stream: bool = False) -> ProgramState:
-    run = ProgramRun(backend, defaults)
+                defaults: SamplingParams, stream: bool = False, options: GenOptions | None = None,
+                use_thread: bool = True) -> ProgramState:
+    run = ProgramRun(backend, defaults, options=options)
     state = ProgramState(run, stream_root=stream)
-    if stream:
+    if stream and use_thread:
         run.thread = threading.Thread(target=_execute, args=(program, state, arguments), daemon=True,
                                       name=f"sgl-{program.name}")
         run.thread.start()
@@ -496,44 +546,56 @@ def _execute(program: Program, state: ProgramState, arguments: dict[str, Any]) -
             raise
     finally:
         run.finish()
+    if global_config.verbosity >= 2:
+        print(state._text)
 
 
 def run_program_batch(program: Program, backend: "BaseBackend", batch_arguments: list[dict[str, Any]],
-                      defaults: SamplingParams, num_threads: int | str = "auto",
-                      progress_bar: bool = False) -> list[ProgramState]:
-    """Run the program once per argument dict on a thread pool; the engine batches their requests."""
-    from tqdm.auto import tqdm
-
-    n = len(batch_arguments)
-    if n == 0:
-        return []
+                      defaults: SamplingParams, num_threads: int | str = "auto", progress_bar: bool = False,
+                      options: GenOptions | None = None,
+                      generator_style: bool = False) -> list[ProgramState] | Iterator[ProgramState]:
+    """Run the program once per argument dict on a thread pool; the engine batches their requests.
+    `generator_style`: a generator yielding the states in input order as they finish."""
     if num_threads == "auto":
         num_threads = AUTO_MAX_THREADS  # threads mostly wait on the engine, which batches their requests
     if not isinstance(num_threads, int) or num_threads < 1:
         raise ProgramError(f"num_threads must be 'auto' or an int >= 1, got {num_threads!r}")
-    num_threads = min(num_threads, n)
-    bar = tqdm(total=n, disable=not progress_bar, desc=program.name)
+    results = _run_batch_items(program, backend, batch_arguments, defaults, min(num_threads, max(1, len(batch_arguments))),
+                               progress_bar, options)
+    return results if generator_style else list(results)
+
+
+def _run_batch_items(program: Program, backend: "BaseBackend", batch_arguments: list[dict[str, Any]],
+                     defaults: SamplingParams, num_threads: int, progress_bar: bool,
+                     options: GenOptions | None) -> Iterator[ProgramState]:
+    from tqdm.auto import tqdm
+
+    if not batch_arguments:
+        return
+    bar = tqdm(total=len(batch_arguments), disable=not progress_bar, desc=program.name)
 
     def one(args: dict[str, Any]) -> ProgramState:
         try:
-            return run_program(program, backend, args, defaults)
+            return run_program(program, backend, args, defaults, options=options)
         finally:
             bar.update(1)
 
     try:
         if num_threads == 1:
-            return [one(a) for a in batch_arguments]
+            for a in batch_arguments:
+                yield one(a)
+            return
         with ThreadPoolExecutor(num_threads, thread_name_prefix=f"sgl-batch-{program.name}") as pool:
             futures = [pool.submit(one, a) for a in batch_arguments]
-            results = []
             for i, f in enumerate(futures):
                 try:
-                    results.append(f.result())
+                    yield f.result()
                 except BaseException as exc:
                     if hasattr(exc, "add_note"):
                         exc.add_note(f"(in run_batch item {i}: {batch_arguments[i]!r:.200})")
+                    for rest in futures[i + 1:]:
+                        rest.cancel()
                     raise
-            return results
     finally:
         bar.close()
 

@@ -14,6 +14,31 @@ from typing import Any, Protocol
 from .errors import ProgramError, StopTracing
 
 
+# SGLang's dtype regexes, to the letter (programs import them from sglang.lang.ir). `gen(dtype=...)`
+# constrains to these; int and float also stop at a space or newline.
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""  # a double-quoted string, so it drops into JSON
+DTYPE_REGEXES: dict[type, str] = {int: REGEX_INT, float: REGEX_FLOAT, str: REGEX_STR, bool: REGEX_BOOL}
+
+
+@dataclass
+class GenOptions:
+    """Per-gen options beyond SamplingParams (SGLang's): samples per call and input-logprob reporting.
+    On a gen node, None means "the run's value"."""
+
+    n: int | None = None
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool | None = None
+
+    def over(self, defaults: "GenOptions") -> "GenOptions":
+        """These options with unset ones taken from `defaults`."""
+        return GenOptions(*(v if v is not None else d for v, d in
+                            zip((self.n, self.logprob_start_len, self.return_text_in_logprobs),
+                                (defaults.n, defaults.logprob_start_len, defaults.return_text_in_logprobs))))
+
+
 class Program(Protocol):
     """What the interpreter and the tracer need of a DSL program (`api.SglFunction` is one):
     the user's function and its name, argument names and bound arguments."""
@@ -76,7 +101,8 @@ class SglGen(SglExpr):
 
     name: str | None
     overrides: dict[str, Any] = field(default_factory=dict)
-    dtype: type | None = None  # int | float | str | None
+    dtype: type | None = None  # int | float | str | bool | None: constrains to DTYPE_REGEXES[dtype]
+    options: GenOptions = field(default_factory=GenOptions)
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
-from .loader import load_tokenizer, resolve_checkpoint
+from .loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint
 from .model_runner import ModelRunner
 from .outputs import ChoiceScore, GenerateOutput, StreamChunk
 from .request import Req, RequestHandle
@@ -60,6 +60,7 @@ class Engine:
         self.checkpoint = resolve_checkpoint(model)
         self.model_path = str(self.checkpoint.path)
         self.model_name = model or "SmolLM2-135M-Instruct"
+        self.model_id = model if model is not None else EMBEDDED_MODEL_ID  # as the user named it; no cache paths
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.runner = ModelRunner(self.checkpoint, self.config)
         self.eos_token_ids = frozenset(self._collect_eos_ids())
@@ -147,6 +148,10 @@ class Engine:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params.copy() if params is not None else SamplingParams()  # the scheduler may not see caller edits
         params.validate()
+        outside = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size}): "
+                                      f"{outside[:5]}")
         if len(prompt_ids) >= self.context_length:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens but the model's context window is {self.context_length}; "

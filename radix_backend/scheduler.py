@@ -28,7 +28,7 @@ from .errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedErr
 from .model_runner import ForwardInput, ModelRunner
 from .radix_cache import RadixCache
 from .request import Req
-from .sampling import SamplerRow, sample, token_logprobs
+from .sampling import SamplerRow, add_logit_bias, sample, suppress_tokens, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -381,8 +381,12 @@ class Scheduler:
         reqs = [r for r, _ in items]
         rows_idx = [i for _, i in items]
         raw = logits if rows_idx == list(range(logits.shape[0])) else logits[torch.tensor(rows_idx, device=logits.device)]
-        modifies = any(r.constraint is not None or r.params.has_penalties for r in reqs)
+        short = {i: r.stop_token_ids for i, r in enumerate(reqs) if r.below_min_tokens}
+        biased = {i: r.params.logit_bias for i, r in enumerate(reqs) if r.params.logit_bias}
+        modifies = short or biased or any(r.constraint is not None or r.params.has_penalties for r in reqs)
         work = raw.clone() if modifies and any(r.params.logprobs for r in reqs) else raw
+        add_logit_bias(work, biased)
+        suppress_tokens(work, short)
         constrained.mask_logits(work, [r.constraint for r in reqs])
         rows = [SamplerRow(r.params, r.output_ids, r.prompt_ids, r.generator) for r in reqs]
         tokens = sample(work, rows)

@@ -123,3 +123,40 @@ def test_detokenize_cuts_at_a_stop_string_split_across_tokens():
             break
     assert req.text == "abc" and req.finish_reason == "stop" and req.matched_stop == "STOP"
     assert req.output_ids == [1, 2, 3]
+
+
+def test_min_new_tokens_ignores_stop_tokens_strings_and_regexes_until_reached():
+    vocab = {1: b"a", 2: b"STOP", 3: b"\n", 0: b""}
+    req = _req([7], stop=["STOP"])
+    req.params.min_new_tokens = 4  # as vLLM: stop tokens are masked for tokens 1-4, stop texts checked from token 4
+    req.params.stop_regex = [r"\n"]
+    for tok in [0, 2, 3]:  # EOS, a stop string and a stop-regex match, all within the first 3 tokens
+        req.append_token(tok)
+        req.detokenize(_CountingDecode(vocab))
+        assert not req.finished, tok
+    assert req.stop_token_ids == {0} and req.below_min_tokens
+    req.append_token(1)
+    req.detokenize(_CountingDecode(vocab))
+    assert not req.finished  # the early "\n" does not count later either
+    req.append_token(3)
+    req.detokenize(_CountingDecode(vocab))
+    assert req.finish_reason == "stop" and req.matched_stop == r"\n"
+    assert req.text == "STOP\na\n"  # a stop regex keeps its text, as SGLang does
+
+
+def test_stop_regex_is_validated():
+    from radix_backend.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="stop_regex.*not a valid regular expression"):
+        SamplingParams(stop_regex="(unclosed").validate()
+    assert SamplingParams(stop_regex="a+").stop_regex == ["a+"]
+
+
+def test_suppress_tokens_masks_only_the_rows_given():
+    import torch
+
+    from radix_backend.sampling import suppress_tokens
+
+    logits = torch.zeros(2, 5)
+    suppress_tokens(logits, {1: {0, 3, 99}})
+    assert torch.isinf(logits[1, [0, 3]]).all() and torch.isfinite(logits[0]).all() and logits[1, 1] == 0

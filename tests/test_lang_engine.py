@@ -164,7 +164,7 @@ def test_constrained_gens(backend):
     state = extract.run(text="Alice is 31 years old.", temperature=0, backend=backend)
     jsonschema.validate(json.loads(state["person"]), schema)
     assert re.fullmatch(r"(19|20)[0-9]{2}", state["year"])
-    assert isinstance(state["count"], int)
+    assert re.fullmatch(r"[-+]?[0-9]+[ \n]*", state["count"])  # SGLang: dtype=int keeps the text
 
 
 def test_streaming_matches_non_streaming(backend):

@@ -12,7 +12,7 @@ import pytest
 import radix_backend.lang as sgl
 from radix_backend.errors import InvalidRequestError
 from radix_backend.lang.chat_template import chatml
-from radix_backend.lang.interpreter import INT_REGEX
+from radix_backend.lang.ir import REGEX_FLOAT, REGEX_INT
 from radix_backend.outputs import ChoiceScore, GenerateOutput, RequestMeta, StreamChunk
 from radix_backend.sampling_params import SamplingParams
 
@@ -199,24 +199,27 @@ def test_bad_gen_arguments():
     assert isinstance(sgl.ProgramError("x"), InvalidRequestError)
 
 
-def test_dtype_int_constrains_and_converts():
-    backend = FakeBackend(responder=lambda prompt, p: " 42" if p.regex == INT_REGEX else "zz")
+def test_dtype_constrains_like_sglang_and_keeps_the_text():
+    """SGLang's runtime endpoint: dtype -> its REGEX_* (replacing another regex), int/float also stop at
+    space/newline, and the variable holds the generated text (not a parsed number)."""
+    seen = []
+
+    def responder(prompt, p):
+        seen.append(p)
+        return {REGEX_INT: "42 ", REGEX_FLOAT: "3.5"}.get(p.regex, '"ok"')
+
+    backend = FakeBackend(responder=responder)
 
     @sgl.function
     def prog(s):
-        s += "n=" + sgl.gen_int("n") + " f=" + sgl.gen("f", dtype=float, regex=INT_REGEX)
+        s += "n=" + sgl.gen_int("n") + " f=" + sgl.gen("f", dtype="float", regex="[a-z]+") + " s="
+        s += sgl.gen_string("s") + " b=" + sgl.gen("b", dtype=bool)
 
-    state = prog.run(backend=backend)
-    assert state["n"] == 42 and state["f"] == 42.0 and state.text() == "n= 42 f= 42"
-
-    bad = FakeBackend(responder=lambda prompt, p: "many")
-
-    @sgl.function
-    def prog2(s):
-        s += sgl.gen("n", dtype=int)
-
-    with pytest.raises(sgl.ProgramError, match="does not parse"):
-        prog2.run(backend=bad)
+    with pytest.warns(UserWarning, match="only dtype is used"):
+        state = prog.run(backend=backend)
+    assert state["n"] == "42 " and state["f"] == "3.5" and state["s"] == '"ok"'
+    assert [p.regex for p in seen] == [REGEX_INT, REGEX_FLOAT, r'\"[\w\d\s]*\"', "(True|False)"]
+    assert seen[0].stop[-2:] == [" ", "\n"] and seen[1].stop[-2:] == [" ", "\n"] and seen[2].stop == []
 
 
 def test_unknown_variable_and_bad_appends(backend):
@@ -466,9 +469,7 @@ def test_default_backend(backend):
         assert prog()["a"] == "ok"
         assert sgl.get_default_backend() is backend
     finally:
-        import radix_backend.lang.api as api
-
-        api._default_backend = None
+        sgl.global_config.default_backend = None
 
 
 def test_streamed_variable_is_readable_before_the_program_ends():

@@ -15,6 +15,7 @@ from radix_backend.outputs import ChoiceScore, GenerateOutput, StreamChunk
 from radix_backend.sampling_params import SamplingParams
 
 from ..chat_template import ChatTemplate, default_template
+from ..errors import UnsupportedFeatureError
 
 
 class BaseBackend(ABC):
@@ -30,6 +31,15 @@ class BaseBackend(ABC):
         """Incremental text of one completion; the last chunk carries finish_reason and meta."""
         out = self.generate([prompt], [params])[0]
         yield StreamChunk(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason, meta=out.meta)
+
+    def prompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
+        """SGLang's input_token_logprobs: (logprob, token id) of each prompt token from `start` (the
+        first prompt token has None). For gen(return_logprob=True, logprob_start_len=...)."""
+        raise UnsupportedFeatureError(f"{type(self).__name__} cannot report prompt logprobs (logprob_start_len)")
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """The text of each token, for gen(return_text_in_logprobs=True)."""
+        raise UnsupportedFeatureError(f"{type(self).__name__} cannot report token texts (return_text_in_logprobs)")
 
     def get_chat_template(self) -> ChatTemplate:
         return default_template()

@@ -49,6 +49,18 @@ class RadixEngineBackend(BaseBackend):
     def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[StreamChunk]:
         yield from self.engine.stream(prompt, params)
 
+    def prompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
+        ids = self.engine.encode(prompt)
+        entries: list[tuple[float | None, int]] = [(None, ids[0])] if start == 0 and ids else []
+        start = max(start, 1)
+        if start < len(ids):
+            scores = self.engine.score(ids[:start], [ids[start:]])[0]
+            entries += list(zip(scores.token_logprobs, ids[start:]))
+        return entries
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        return [self.engine.decode([t], skip_special_tokens=False) for t in token_ids]
+
     def score(self, prefix: str, continuations: list[str], *, unconditional: bool = False) -> list[ChoiceScore]:
         return self.engine.score(prefix, list(continuations), unconditional=unconditional)
 

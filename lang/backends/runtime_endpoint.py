@@ -25,7 +25,8 @@ from .base import BaseBackend
 logger = logging.getLogger(__name__)
 
 _PARAM_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "regex", "seed")
+                 "repetition_penalty", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
+                 "skip_special_tokens", "regex", "seed")
 
 
 class RuntimeEndpointError(RadixBackendError, ConnectionError):
@@ -181,6 +182,18 @@ class RuntimeEndpoint(BaseBackend):
                                       meta=final.meta if final else None)
         except httpx.HTTPError as exc:
             raise RuntimeEndpointError(f"stream from {self.base_url} failed: {exc}") from exc
+
+    def prompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
+        obj = self._generate({"text": prompt, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                              "logprob_start_len": start})
+        return [(e[0], e[1]) for e in obj["meta_info"]["input_token_logprobs"]]
+
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        if not token_ids:
+            return []
+        obj = self._generate({"input_ids": list(token_ids), "sampling_params": {"max_new_tokens": 0},
+                              "return_logprob": True, "logprob_start_len": 0, "return_text_in_logprobs": True})
+        return [e[2] for e in obj["meta_info"]["input_token_logprobs"]]
 
     def cache_prefix(self, prefix: str) -> None:
         self._generate({"text": prefix, "sampling_params": {"max_new_tokens": 0}})

@@ -24,6 +24,7 @@ from typing import Any
 from ..config import add_cli_args, from_cli_args
 from ..engine_like import EngineLike
 from ..errors import InvalidRequestError, MissingDependencyError, RadixBackendError
+from ..sampling_params import SamplingParams
 
 try:
     import uvicorn
@@ -88,14 +89,17 @@ class _MetricsMiddleware:
 # ============================================================================ the app
 
 
-def create_app(engine: EngineLike, *, served_model_name: str | None = None, model_path: str | None = None) -> FastAPI:
+def create_app(engine: EngineLike, *, served_model_name: str | None = None, model_path: str | None = None,
+               incremental_streaming_output: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (an Engine, or anything with its API such as the
-    data-parallel `Router`). The engine is not shut down by the app; `serve()` does that."""
-    state = ServerState(engine, served_model_name, model_path)
+    data-parallel `Router`). The engine is not shut down by the app; `serve()` does that.
+    `model_path` is the name clients see (default: the model as the engine was given it)."""
+    state = ServerState(engine, served_model_name, model_path, incremental_streaming_output)
     app = FastAPI(title="radix-backend", version="0.1.0")
     app.state.server = state
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics",
-                 "/get_model_info", "/get_server_info", "/flush_cache"}
+                 "/get_model_info", "/model_info", "/get_server_info", "/server_info", "/health_generate",
+                 "/flush_cache"}
     app.add_middleware(_MetricsMiddleware, metrics=state.metrics, endpoints=endpoints)
 
     @app.exception_handler(RequestValidationError)
@@ -127,11 +131,21 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
         return ModelList(data=[ModelCard(id=state.model_name, root=state.model_path,
                                          max_model_len=engine.context_length)])
 
+    @app.get("/health_generate")
+    async def health_generate() -> JSONResponse:
+        """SGLang's deep health check: one real one-token generation through the scheduler."""
+        if getattr(engine, "is_shutdown", False):
+            return error_json(503, "engine is shut down", err_type="service_unavailable")
+        await engine.agenerate(input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
                 "served_model_name": state.model_name, "max_context_length": engine.context_length}
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
         stats = engine.cache_stats()
@@ -145,6 +159,13 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
         if ok:
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running; retry when idle.\n", status_code=400)
+
+    @app.api_route("/concate_and_append_request", methods=["GET", "POST"])
+    async def concate_and_append() -> JSONResponse:
+        """Old SGLang clients call this for fork join(mode="concate_and_append"); fail fast, not 404."""
+        return error_json(400, "/concate_and_append_request is not supported: KV concatenation across requests "
+                          "does not exist here; join(mode='concate_and_append') works client-side by resending "
+                          "the text (the radix cache reuses its prefix)", code="unsupported")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -215,11 +236,12 @@ def build_engine(model: str | None = None, *, dp_size: int = 1, router_policy: s
 
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 30000, dp_size: int = 1,
           router_policy: str = "cache_aware", served_model_name: str | None = None, log_level: str = "info",
-          **engine_kwargs: Any) -> None:
+          incremental_streaming_output: bool = False, **engine_kwargs: Any) -> None:
     """Load the model (dp_size replicas), serve it until interrupted, then shut the engines down."""
     engine = build_engine(model, dp_size=dp_size, router_policy=router_policy, **engine_kwargs)
     try:
-        app = create_app(engine, served_model_name=served_model_name, model_path=model)
+        app = create_app(engine, served_model_name=served_model_name, model_path=model,
+                         incremental_streaming_output=incremental_streaming_output)
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     finally:
         engine.shutdown()
@@ -235,13 +257,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--router-policy", choices=ROUTER_POLICIES, default=ROUTER_POLICIES[0])
     parser.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="stream only new text/ids/logprobs per /generate event (SGLang's flag; default cumulative)")
     add_cli_args(parser.add_argument_group("engine"))
     return parser
 
 
 def run_serve(args: argparse.Namespace) -> None:
     serve(args.model, host=args.host, port=args.port, dp_size=args.dp_size, router_policy=args.router_policy,
-          served_model_name=args.served_model_name, log_level=args.log_level, config=from_cli_args(args))
+          served_model_name=args.served_model_name, log_level=args.log_level,
+          incremental_streaming_output=args.incremental_streaming_output, config=from_cli_args(args))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -75,9 +75,14 @@ def error_response(exc: BaseException) -> JSONResponse:
 class ServerState:
     """The handlers' shared state: the engine, served model names, metrics."""
 
-    def __init__(self, engine: EngineLike, served_model_name: str | None, model_path: str | None) -> None:
+    def __init__(self, engine: EngineLike, served_model_name: str | None, model_path: str | None,
+                 incremental_streaming_output: bool = False) -> None:
         self.engine = engine
-        self.model_path = model_path or getattr(engine, "model_path", None) or DEFAULT_MODEL_PATH
+        self.incremental_streaming_output = incremental_streaming_output
+        # the model as the user named it (HF id, dir or .gguf), never the dequantized weights' cache path:
+        # SGLang's client picks its chat template from this name
+        self.model_path = (model_path or getattr(engine, "model_id", None) or getattr(engine, "model_path", None)
+                           or DEFAULT_MODEL_PATH)
         self.model_name = served_model_name or getattr(engine, "model_name", None) or self.model_path
         self._kv_total: int | None = None
         self.metrics = ServerMetrics(engine)

@@ -16,17 +16,11 @@ from fastapi.responses import StreamingResponse
 
 from ..errors import InvalidRequestError
 from ..outputs import GenerateOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import sglang_sampling_params
 from .common import (chunk_as_output, iterate_streams, Job, open_streams, run_jobs, ServerState, sse_event,
                             sse_response)
 from .metrics import RequestTracker
 from .protocol import GenerateReqInput, sglang_finish_reason
-
-# SGLang sampling_params keys that change nothing here (formatting / scheduling hints).
-_SGLANG_IGNORED_KEYS = {"spaces_between_special_tokens", "no_stop_trim", "stream_interval", "custom_params",
-                        "logit_bias"}
-_SGLANG_RENAMED_KEYS = {"ebnf": "grammar", "sampling_seed": "seed"}
-
 
 def add_native_routes(app: FastAPI, state: ServerState) -> None:
     """Register SGLang's /generate on `app`, served from `state`."""
@@ -37,7 +31,9 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
         jobs, specs = _sglang_jobs(req)
         tracker = state.metrics.track("/generate")
         if req.stream:
-            return await _stream_sglang(state, jobs, specs, tracker)
+            incremental = state.incremental_streaming_output if req.incremental_streaming_output is None \
+                else req.incremental_streaming_output
+            return await _stream_sglang(state, jobs, specs, tracker, incremental)
         outs = await run_jobs(request, engine, jobs, tracker)
         results = [await _sglang_result(state, job, spec, out, req.return_text_in_logprobs)
                    for job, spec, out in zip(jobs, specs, outs)]
@@ -45,37 +41,6 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
 
 
 # ============================================================================ request -> jobs
-
-
-def _sglang_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, int]:
-    """SGLang's sampling_params dict -> (SamplingParams, n)."""
-    raw = dict(raw or {})
-    n = raw.pop("n", 1)
-    kwargs: dict[str, Any] = {}
-    unknown = []
-    fields = SamplingParams.__dataclass_fields__
-    for key, value in raw.items():
-        key = _SGLANG_RENAMED_KEYS.get(key, key)
-        if key in _SGLANG_IGNORED_KEYS or value is None:
-            continue
-        if key == "min_new_tokens":
-            if value:
-                raise InvalidRequestError("sampling_params.min_new_tokens is not supported; remove it")
-            continue
-        if key not in fields:
-            unknown.append(key)
-            continue
-        kwargs[key] = value
-    if unknown:
-        raise InvalidRequestError(f"unknown sampling_params keys {sorted(unknown)}; supported: {sorted(fields)}")
-    if not isinstance(n, int) or n < 1:
-        raise InvalidRequestError(f"sampling_params.n must be an int >= 1, got {n!r}")
-    try:
-        params = SamplingParams(**kwargs)
-    except TypeError as exc:
-        raise InvalidRequestError(f"bad sampling_params: {exc}") from exc
-    params.validate()
-    return params, n
 
 
 @dataclass
@@ -86,6 +51,7 @@ class _LogprobSpec:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     index: int = 0
+    with_text: bool = False  # return_text_in_logprobs
 
 
 def _sglang_jobs(req: GenerateReqInput) -> tuple[list[Job], list[_LogprobSpec]]:
@@ -108,7 +74,7 @@ def _sglang_jobs(req: GenerateReqInput) -> tuple[list[Job], list[_LogprobSpec]]:
             raise InvalidRequestError(f"{name} has {len(value)} entries but the batch has {size} prompts")
     jobs, specs = [], []
     for i, inputs in enumerate(inputs_list):
-        params, n = _sglang_params(req.item("sampling_params", i))
+        params, n = sglang_sampling_params(req.item("sampling_params", i))
         want = bool(req.item("return_logprob", i))
         top = int(req.item("top_logprobs_num", i) or 0)
         if want:
@@ -120,7 +86,8 @@ def _sglang_jobs(req: GenerateReqInput) -> tuple[list[Job], list[_LogprobSpec]]:
             if rid is not None:
                 job.rid = str(rid) if n == 1 else f"{rid}-{j}"
             jobs.append(job)
-            specs.append(_LogprobSpec(want, int(req.item("logprob_start_len", i)), top, len(specs)))
+            specs.append(_LogprobSpec(want, int(req.item("logprob_start_len", i)), top, len(specs),
+                                      req.return_text_in_logprobs))
     return jobs, specs
 
 
@@ -171,15 +138,19 @@ async def _sglang_result(state: ServerState, job: Job, spec: _LogprobSpec, out: 
     return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta, "index": spec.index}
 
 
-async def _stream_sglang(state: ServerState, jobs: list[Job], specs: list[_LogprobSpec],
-                         tracker: RequestTracker) -> StreamingResponse:
-    """SGLang streams cumulative text (`data: {"text": <all so far>, "meta_info": ...}`), then [DONE]."""
+async def _stream_sglang(state: ServerState, jobs: list[Job], specs: list[_LogprobSpec], tracker: RequestTracker,
+                         incremental: bool) -> StreamingResponse:
+    """SGLang's stream: `data: {"text", "output_ids", "meta_info"}` events, then [DONE]. Text, ids and
+    output_token_logprobs are cumulative, or only the new part with `incremental` (SGLang's
+    --incremental-streaming-output); meta_info's counts (completion_tokens,
+    output_token_logprobs_length) are always running totals."""
     streams, first = await open_streams(state, jobs)
     finals: list[GenerateOutput | None] = [None] * len(jobs)
 
     async def events() -> AsyncGenerator[str, None]:
         texts = [""] * len(jobs)
         ids: list[list[int]] = [[] for _ in jobs]
+        logprobs: list[list[list[Any]]] = [[] for _ in jobs]
         async for i, chunk in iterate_streams(streams, first):
             tracker.tokens(len(chunk.token_ids))
             texts[i] += chunk.text
@@ -189,9 +160,16 @@ async def _stream_sglang(state: ServerState, jobs: list[Job], specs: list[_Logpr
             if chunk.finish_reason is not None:
                 finals[i] = chunk_as_output(chunk, texts[i], ids[i])
                 finish = sglang_finish_reason(chunk.finish_reason, meta.matched_stop if meta else None, len(ids[i]))
-            info = {"id": jobs[i].rid, "finish_reason": finish,
-                    "prompt_tokens": meta.prompt_tokens if meta else None,
-                    "completion_tokens": len(ids[i]), "cached_tokens": meta.cached_tokens if meta else None}
-            yield sse_event({"text": texts[i], "output_ids": ids[i], "meta_info": info, "index": specs[i].index})
+            info: dict[str, Any] = {"id": jobs[i].rid, "finish_reason": finish,
+                                    "prompt_tokens": meta.prompt_tokens if meta else None,
+                                    "completion_tokens": len(ids[i]), "cached_tokens": meta.cached_tokens if meta else None}
+            if specs[i].return_logprob:
+                new = [_lp_entry(lp.logprob, lp.token_id, state, specs[i].with_text) for lp in chunk.logprobs or []]
+                logprobs[i] += new
+                info["output_token_logprobs"] = new if incremental else list(logprobs[i])
+                info["output_token_logprobs_length"] = len(logprobs[i])
+            text = chunk.text if incremental else texts[i]
+            out_ids = list(chunk.token_ids) if incremental else ids[i]
+            yield sse_event({"text": text, "output_ids": out_ids, "meta_info": info, "index": specs[i].index})
 
     return sse_response(events(), streams, tracker, finals, jobs)

@@ -244,6 +244,7 @@ class GenerateReqInput(_Request):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
+    incremental_streaming_output: bool | None = None  # None: the server's --incremental-streaming-output
 
     @property
     def is_batch(self) -> bool:

@@ -198,6 +198,10 @@ class Router:
     def model_path(self) -> str | None:
         return getattr(self.replicas[0], "model_path", None)
 
+    @property
+    def model_id(self) -> str | None:
+        return getattr(self.replicas[0], "model_id", None)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.replicas[0].encode(text, add_special_tokens=add_special_tokens)
 
