@@ -1,0 +1,72 @@
+"""SGLang frontend programs as their users write them (`import sglang as sgl`), for the compat tests.
+
+`build()` imports `sglang` when called, so the same source runs on SGLang's own package (its
+RuntimeEndpoint against our server) or on `sys.modules["sglang"] = radix_backend.lang`. The
+programs use no chat roles: SGLang's client picks its own template from the model name, our
+in-process backend uses the model's, and plain text keeps the two runs comparable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STOP_REGEX = r"[a-z]{3}"  # the first word of three or more letters ends the generation
+QUESTION = "Question: which is bigger, an elephant or a mouse? Answer:"
+
+
+def build() -> dict[str, Any]:
+    import sglang as sgl
+
+    @sgl.function
+    def stop_at_regex(s):
+        s += "A list of animals: cat, dog," + sgl.gen("animals", max_tokens=32, stop_regex=STOP_REGEX)
+
+    @sgl.function
+    def at_least(s):
+        s += QUESTION + sgl.gen("answer", max_tokens=16, min_tokens=8, stop=[" "])
+
+    @sgl.function
+    def typed(s):
+        s += "The year the Berlin wall fell: " + sgl.gen_int("year", max_tokens=6) + "\n"
+        s += "Is water wet (True or False)? " + sgl.gen("wet", dtype=bool, max_tokens=4) + "\n"
+        s += "A name in quotes: " + sgl.gen("name", dtype=str, max_tokens=12) + "\n"
+        s += "Code: " + sgl.gen("code", regex=r"[A-Z]{3}-[0-9]{2}", max_tokens=10)
+
+    @sgl.function
+    def choose(s):
+        s += QUESTION + " The " + sgl.select("pick", choices=["elephant", "mouse"])
+
+    @sgl.function
+    def branches(s, topic):
+        s += f"Two facts about {topic}.\n"
+        forks = s.fork(2)
+        for i in range(2):
+            forks[i] += f"Fact {i + 1}:" + sgl.gen("fact", max_tokens=10, stop="\n")
+        forks.join()
+
+    @sgl.function
+    def streamed(s):
+        s += "Once upon a time" + sgl.gen("story", max_tokens=12, return_logprob=True)
+
+    @sgl.function
+    def short(s, word):
+        s += f"The word {word} means" + sgl.gen("meaning", max_tokens=8, stop="\n")
+
+    return {"stop_at_regex": stop_at_regex, "at_least": at_least, "typed": typed, "choose": choose,
+            "branches": branches, "streamed": streamed, "short": short}
+
+
+def run_all(progs: dict[str, Any]) -> dict[str, Any]:
+    """Run every non-streamed program greedily; the variables and meta data the tests check."""
+    out: dict[str, Any] = {}
+    st = progs["stop_at_regex"].run(temperature=0)
+    out["animals"], out["animals_meta"] = st["animals"], st.get_meta_info("animals")
+    st = progs["at_least"].run(temperature=0)
+    out["answer"], out["answer_meta"] = st["answer"], st.get_meta_info("answer")
+    st = progs["typed"].run(temperature=0)
+    out.update({k: st[k] for k in ("year", "wet", "name", "code")})
+    out["pick"] = progs["choose"].run(temperature=0)["pick"]
+    out["fact"] = progs["branches"].run(topic="the moon", temperature=0)["fact"]
+    states = progs["short"].run_batch([{"word": w} for w in ("river", "stone", "cloud")], temperature=0)
+    out["meanings"] = [s["meaning"] for s in states]
+    return out
