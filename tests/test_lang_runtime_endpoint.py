@@ -94,3 +94,33 @@ def test_unreachable_server_is_a_clear_error():
 
     with pytest.raises(RuntimeEndpointError, match="cannot reach"):
         sgl.RuntimeEndpoint("http://127.0.0.1:9", timeout=2)
+
+
+def test_logprob_extras_the_same_in_process_and_over_http(endpoint, local):
+    """gen(return_logprob, logprob_start_len, return_text_in_logprobs) as SGLang reports them:
+    input_token_logprobs from the start position, (logprob, id, text) entries."""
+    @sgl.function
+    def prog(s):
+        s += "The quick brown fox" + sgl.gen("a", max_tokens=4, ignore_eos=True, return_logprob=True,
+                                             logprob_start_len=2, return_text_in_logprobs=True)
+
+    metas = [prog.run(temperature=0, backend=b).get_meta_info("a") for b in (local, endpoint)]
+    for meta in metas:
+        assert len(meta["output_token_logprobs"]) == 4 and all(len(e) == 3 for e in meta["output_token_logprobs"])
+        assert all(isinstance(e[2], str) for e in meta["input_token_logprobs"])
+    a, b = metas
+    assert [e[1:] for e in a["input_token_logprobs"]] == [e[1:] for e in b["input_token_logprobs"]]
+    assert [e[0] for e in a["input_token_logprobs"]] == pytest.approx([e[0] for e in b["input_token_logprobs"]],
+                                                                      abs=1e-4)
+    assert [e[1:] for e in a["output_token_logprobs"]] == [e[1:] for e in b["output_token_logprobs"]]
+
+
+def test_streamed_meta_data_over_http(endpoint):
+    @sgl.function
+    def prog(s):
+        s += "Once" + sgl.gen("a", max_tokens=6, ignore_eos=True, return_logprob=True)
+
+    state = prog.run(temperature=0, backend=endpoint, stream=True)
+    pieces = list(state.text_iter("a", return_meta_data=True))
+    assert pieces[-1][1]["completion_tokens"] == 6
+    assert len([e for _, m in pieces for e in m["output_token_logprobs"]]) == 6

@@ -155,10 +155,13 @@ class RuntimeEndpoint(BaseBackend):
         return [_output(o) for o in (objs if isinstance(objs, list) else [objs])]
 
     def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[StreamChunk]:
+        """Incremental events (text, ids and, when asked, logprobs of each chunk's tokens)."""
         import httpx
 
-        data = {"text": prompt, "sampling_params": sampling_params_to_json(params), "stream": True}
-        sent = 0
+        data = {"text": prompt, "sampling_params": sampling_params_to_json(params), "stream": True,
+                "incremental_streaming_output": True}
+        if params.logprobs:
+            data.update(return_logprob=True, top_logprobs_num=params.top_logprobs)
         try:
             with self._client.stream("POST", "/generate", json=data) as resp:
                 if resp.status_code >= 400:
@@ -173,13 +176,15 @@ class RuntimeEndpoint(BaseBackend):
                     obj = json.loads(payload)
                     if "error" in obj:
                         raise InvalidRequestError(obj["error"].get("message", str(obj["error"])))
-                    text, meta = obj.get("text", ""), obj.get("meta_info", {})
+                    meta = obj.get("meta_info", {})
                     reason = _finish(meta)[0] if meta.get("finish_reason") else None
-                    delta = text[sent:]
-                    sent = len(text)
                     final = _output(obj) if reason else None
-                    yield StreamChunk(text=delta, token_ids=[], finish_reason=reason,  # type: ignore[arg-type]
-                                      meta=final.meta if final else None)
+                    lps = meta.get("output_token_logprobs")
+                    yield StreamChunk(text=obj.get("text", ""), token_ids=list(obj.get("output_ids") or []),
+                                      finish_reason=reason,  # type: ignore[arg-type]
+                                      meta=final.meta if final else None,
+                                      logprobs=[TokenLogprob(token_id=e[1], logprob=e[0]) for e in lps]
+                                      if lps is not None else None)
         except httpx.HTTPError as exc:
             raise RuntimeEndpointError(f"stream from {self.base_url} failed: {exc}") from exc
 
