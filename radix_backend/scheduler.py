@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 
-from . import constrained
 from .admission import PrefillAdder, StepBudget, needs_match_to_order, order_waiting
 from .config import EngineConfig
 from .errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
@@ -81,6 +80,8 @@ class Scheduler:
         if self._stop.is_set():
             raise EngineShutdownError("the engine is shut down; create a new Engine")
         if req.constraint is not None and self.enable_jump_forward:
+            from . import constrained  # imported by the engine already when a request has a constraint
+
             constrained.append_forced_tokens(req)  # tokens the grammar forces up front join the prompt's prefill
             self._detokenize(req)
         self._inbox.put(("add", req))
@@ -387,7 +388,10 @@ class Scheduler:
         work = raw.clone() if modifies and any(r.params.logprobs for r in reqs) else raw
         add_logit_bias(work, biased)
         suppress_tokens(work, short)
-        constrained.mask_logits(work, [r.constraint for r in reqs])
+        if any(r.constraint is not None for r in reqs):
+            from . import constrained
+
+            constrained.mask_logits(work, [r.constraint for r in reqs])
         rows = [SamplerRow(r.params, r.output_ids, r.prompt_ids, r.generator) for r in reqs]
         tokens = sample(work, rows)
         if any(r.params.logprobs for r in reqs):
@@ -400,10 +404,13 @@ class Scheduler:
             if req.params.logprobs:
                 req.output_logprobs.append(lps[i])
             req.append_token(tok)
-            try:
-                constrained.advance(req, tok, jump_forward=self.enable_jump_forward)
-            except Exception as exc:  # a grammar-engine error fails this request only
-                req.error = exc
+            if req.constraint is not None:
+                from . import constrained
+
+                try:
+                    constrained.advance(req, tok, jump_forward=self.enable_jump_forward)
+                except Exception as exc:  # a grammar-engine error fails this request only
+                    req.error = exc
             self._detokenize(req)
         self.stats.generated_tokens += len(tokens)
 
