@@ -221,7 +221,7 @@ def _init_groups(backend: str, rank: int, size: int, store=None) -> tuple[Any, A
 def init_tensor_parallel(tp_size: int, device: torch.device, worker_args: dict[str, Any]) -> TensorParallel:
     """Join (torchrun, spawned worker) or create (rank 0, spawning ranks 1..N-1) the TP group.
 
-    `worker_args` ({"model": checkpoint path, "runner": ModelRunner kwargs}) tells spawned
+    `worker_args` ({"model": checkpoint path, "config": EngineConfig fields}) tells spawned
     workers how to build their own ModelRunner.
     """
     if ENV_RANK in os.environ:  # we are a worker spawned by rank 0
