@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ FORWARD_TIMEOUT_S = float(os.environ.get("RADIX_TP_TIMEOUT_S", "300"))  # one co
 STARTUP_TIMEOUT_S = float(os.environ.get("RADIX_TP_STARTUP_TIMEOUT_S", "300"))  # workers import torch, load weights
 IDLE_TIMEOUT = timedelta(days=30)  # workers waiting for the next batch
 STOP_GRACE_S = 10.0
+GROUP_RELEASE_PAUSE_S = 0.1  # lets gloo's worker threads free the last work before the groups go
 
 
 class TensorParallelError(RadixBackendError, RuntimeError):
@@ -166,7 +168,18 @@ class TensorParallel:
                 except Exception as exc:  # a dead peer: fall through to killing the rest
                     logger.warning("could not send stop to tensor-parallel workers: %s", exc)
             _reap(self.workers, 0.0 if self._broken else STOP_GRACE_S)
-            _destroy_groups()
+            self._release_groups()
+
+    def _release_groups(self) -> None:
+        """Destroy the process groups and drop our references, so their gloo threads are joined now.
+
+        Left to interpreter exit (the engine object is often still alive then), a gloo thread still
+        freeing its last work's tensors needs the GIL while Python finalizes and the process aborts
+        ("terminate called without an active exception"); the pause lets it finish first."""
+        time.sleep(GROUP_RELEASE_PAUSE_S)
+        _destroy_groups()
+        self.group = self.control = None
+        gc.collect()
 
     # ---- ranks 1..N-1 ------------------------------------------------------------------------
     def receive_batch(self) -> Any:
@@ -174,7 +187,7 @@ class TensorParallel:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         if box[0] is None:
-            _destroy_groups()
+            self._release_groups()
         return box[0]
 
 
