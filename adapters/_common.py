@@ -107,6 +107,8 @@ def to_json_schema(schema: Any) -> tuple[dict[str, Any], str]:
             raise InvalidRequestError(f"schema string is not valid JSON: {exc}") from exc
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         return close_objects(schema.model_json_schema()), schema.__name__
+    if isinstance(schema, type) and hasattr(schema, "parse_raw") and hasattr(schema, "schema"):  # pydantic v1
+        return close_objects(schema.schema()), schema.__name__
     if isinstance(schema, type) and hasattr(schema, "__annotations__") and hasattr(schema, "__total__"):
         from pydantic import TypeAdapter
 
@@ -118,10 +120,32 @@ def to_json_schema(schema: Any) -> tuple[dict[str, Any], str]:
         if "name" in schema and "parameters" in schema:  # OpenAI function
             return dict(schema["parameters"]), schema["name"]
         if "type" in schema or "properties" in schema or "anyOf" in schema or "oneOf" in schema or "$ref" in schema:
-            return dict(schema), str(schema.get("title", "output"))
+            return close_objects(dict(schema)), str(schema.get("title", "output"))  # closed like a class schema
     raise InvalidRequestError(
         f"cannot derive a JSON schema from {schema!r}: pass a pydantic model class, a TypedDict, "
         "a JSON schema dict or an OpenAI tool/function dict")
+
+
+def schema_instructions(schema: dict[str, Any], name: str) -> str:
+    """System text describing the reply's JSON fields, descriptions included, so the model knows what
+    each field means (decoding is constrained to the schema as well)."""
+    lines = [f"Reply with one JSON object ({name})" + (f": {schema['description']}" if schema.get("description")
+                                                        else "."), "Fields:"]
+    required = set(schema.get("required") or [])
+    for field_name, spec in (schema.get("properties") or {}).items():
+        kind = spec.get("type") or "/".join(str(a.get("type")) for a in spec.get("anyOf", []) if isinstance(a, dict))
+        note = f" - {spec['description']}" if spec.get("description") else ""
+        lines.append(f"- {field_name} ({kind or 'any'}{'' if field_name in required else ', optional'}){note}")
+    return "\n".join(lines)
+
+
+def parse_structured(schema: Any, text: str) -> Any:
+    """The reply as the schema's type: a pydantic (v2 or v1) instance, else the decoded JSON."""
+    if isinstance(schema, type) and hasattr(schema, "model_validate_json"):
+        return schema.model_validate_json(text)
+    if isinstance(schema, type) and hasattr(schema, "parse_raw"):
+        return schema.parse_raw(text)
+    return json.loads(text)
 
 
 @dataclass

