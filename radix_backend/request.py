@@ -11,7 +11,7 @@ import queue
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -277,15 +277,20 @@ class Req:
         self.sent_text_len = end
         self.sent_token_len = len(self.output_ids)
         return StreamChunk(text=delta, token_ids=tokens, finish_reason=self.finish_reason,
-                           meta=self.meta if self.finished else None, logprobs=logprobs)
+                           meta=self.final_meta() if self.finished else None, logprobs=logprobs)
 
-    def build_output(self) -> GenerateOutput:
+    def final_meta(self) -> RequestMeta:
+        """The finished request's accounting, counts filled in, as a copy of its own: the scheduler
+        keeps writing `self.meta` while a consumer thread may already read what it was handed."""
         self.meta.prompt_tokens = len(self.prompt_ids)
         self.meta.completion_tokens = len(self.output_ids)
         self.meta.total_time_s = time.perf_counter() - self.submit_time
         self.meta.matched_stop = self.matched_stop
+        return replace(self.meta)
+
+    def build_output(self) -> GenerateOutput:
         logprobs = self.output_logprobs if self.params.logprobs else None
         return GenerateOutput(text=self.text, token_ids=list(self.output_ids), finish_reason=self.finish_reason or "abort",
-                              meta=self.meta, logprobs=logprobs, request_id=self.rid,
+                              meta=self.final_meta(), logprobs=logprobs, request_id=self.rid,
                               prompt_logprobs=list(self.input_logprobs) if self.input_logprob_start is not None else None,
                               next_token_logits=self.next_logits)

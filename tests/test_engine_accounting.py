@@ -168,3 +168,28 @@ def test_engine_hands_kv_to_the_tree_through_the_cache_methods(tiny_llama_dir, m
         assert "cache_unfinished" in calls and calls[-1] == "cache_finished"
         assert not inserts_outside
         assert _all_free(eng)
+
+
+def test_final_stream_chunk_usage_is_complete_when_pushed_and_never_changes(engine, monkeypatch):
+    """A consumer may read the last chunk the moment the scheduler pushes it (before the request's
+    output is built): its counts must already be filled in, and later bookkeeping must not touch it."""
+    from copy import deepcopy
+
+    from radix_backend.request import RequestHandle
+
+    seen_at_push = []
+    original = RequestHandle.push_chunk
+
+    def push_chunk(self, chunk):
+        if chunk.finish_reason is not None:
+            seen_at_push.append((chunk, deepcopy(chunk.meta)))
+        original(self, chunk)
+
+    monkeypatch.setattr(RequestHandle, "push_chunk", push_chunk)
+    prompt = "Count to ten: one two"
+    chunks = list(engine.stream(prompt, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)))
+    (chunk, snapshot), = seen_at_push
+    assert snapshot.prompt_tokens == len(engine.encode(prompt)) and snapshot.completion_tokens == 6
+    assert chunks[-1].meta == snapshot and chunk.meta == snapshot  # nothing changed it afterwards
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
+    assert out.meta is not chunk.meta
