@@ -104,3 +104,12 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer
     config = MistralConfig(**TINY_COMMON, tie_word_embeddings=False, sliding_window=None, rope_theta=10000.0,
                            rms_norm_eps=1e-5, **_token_ids(smollm2_tokenizer))
     return _save_tiny(MistralForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_mistral"))
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama_dir: Path):
+    """An fp32 CPU engine on the tiny Llama, one per test module."""
+    from radix_backend import Engine
+
+    with Engine(str(tiny_llama_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as eng:
+        yield eng

@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 
 import radix_backend.lang as sgl
-from radix_backend import ConstraintError, Engine
+from radix_backend import ConstraintError
 
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    with Engine(str(tiny_llama_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as eng:
-        yield eng
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")

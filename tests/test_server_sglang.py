@@ -8,8 +8,6 @@ import re
 
 import pytest
 
-from radix_backend import Engine
-
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
@@ -17,9 +15,8 @@ from radix_backend.server import ServerThread, create_app  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    with Engine(str(tiny_llama_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as eng:
-        yield eng
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")
