@@ -33,7 +33,8 @@ def _install_sglang() -> Path:
     if (cache / ".complete").exists():
         return cache
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(cache), SGLANG, *CLIENT_DEPS]
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--retries", "1", "--timeout", "30",
+           "--target", str(cache), SGLANG, *CLIENT_DEPS]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         pytest.skip(f"cannot install {SGLANG} --no-deps from PyPI here: {result.stderr.strip()[-300:]}")
