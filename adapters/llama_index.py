@@ -11,7 +11,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import Any, Type
 
-from ._common import Usage, message_text, require, resolve_engine, sampling_params, to_json_schema
+import json
+from dataclasses import dataclass
+
+from ._common import (ToolSpec, Usage, message_text, parse_tool_reply, require, resolve_engine, sampling_params,
+                      to_json_schema, tool_call_schema, tool_instructions)
 
 require("llama_index.core", "llamaindex", "llama-index-core")
 
@@ -28,10 +32,12 @@ from llama_index.core.base.llms.types import (  # noqa: E402
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr  # noqa: E402
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback  # noqa: E402
-from llama_index.core.llms.custom import CustomLLM  # noqa: E402
+from llama_index.core.llms.function_calling import FunctionCallingLLM  # noqa: E402
+from llama_index.core.llms.llm import ToolSelection  # noqa: E402
 from llama_index.core.prompts import BasePromptTemplate  # noqa: E402
 from llama_index.core.types import Model  # noqa: E402
 
+from radix_backend.errors import InvalidRequestError  # noqa: E402
 from radix_backend.outputs import GenerateOutput, RequestMeta  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
 
@@ -42,13 +48,30 @@ _ROLE = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageR
          MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool"}
 
 
+TOOL_CALL_MIN_TOKENS = 256  # room for a whole constrained tool call with its arguments
+
+
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """LlamaIndex chat messages as the engine's {"role", "content"} dicts."""
+    """LlamaIndex chat messages as the engine's {"role", "content"} dicts; an assistant turn that called
+    tools is replayed as the JSON the model produced for it."""
     out = []
     for m in messages:
         text = "".join(getattr(b, "text", "") for b in m.blocks) if m.blocks else message_text(m.content)
+        calls = m.additional_kwargs.get("tool_calls") if m.role == MessageRole.ASSISTANT else None
+        if calls:
+            replay = [{"name": c["name"], "arguments": c["args"]} for c in calls]
+            text = json.dumps(replay[0] if len(replay) == 1 else replay)
         out.append({"role": _ROLE.get(m.role, str(m.role.value)), "content": text})
     return out
+
+
+@dataclass
+class _ChatRequest:
+    """One chat call ready for the engine; `tool_mode`: the reply is a constrained tool-call JSON."""
+
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    tool_mode: bool
 
 
 def _usage_fields(meta: RequestMeta | None, finish_reason: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -59,8 +82,12 @@ def _usage_fields(meta: RequestMeta | None, finish_reason: str | None) -> tuple[
     return raw, extra
 
 
-class RadixLlamaIndexLLM(CustomLLM):
-    """LlamaIndex LLM backed by a radix_backend Engine (`engine=`) or the process-shared engine of `model`."""
+class RadixLlamaIndexLLM(FunctionCallingLLM):
+    """LlamaIndex LLM backed by a radix_backend Engine (`engine=`) or the process-shared engine of `model`.
+
+    A function-calling LLM: `chat_with_tools` (and so FunctionAgent, AgentWorkflow, ReActAgent) decodes
+    the reply under a JSON schema of the tools' calls, so a call always names a tool and its arguments
+    always fit the tool's schema."""
 
     model: str | None = Field(default=None, description="Checkpoint path; None = embedded SmolLM2.")
     max_new_tokens: int = Field(default=256, description="Tokens generated per call (metadata.num_output).")
@@ -85,7 +112,7 @@ class RadixLlamaIndexLLM(CustomLLM):
     def metadata(self) -> LLMMetadata:
         window = self.context_window or int(getattr(self._engine, "context_length", 0) or 2048)
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens, is_chat_model=True,
-                           is_function_calling_model=False, model_name=self.model or "radix-backend")
+                           is_function_calling_model=True, model_name=self.model or "radix-backend")
 
     def _params(self, kwargs: dict[str, Any]) -> SamplingParams:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("formatted",)}
@@ -100,11 +127,62 @@ class RadixLlamaIndexLLM(CustomLLM):
         raw, extra = _usage_fields(out.meta, out.finish_reason)
         return CompletionResponse(text=out.text, raw=raw, additional_kwargs=extra)
 
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> _ChatRequest:
+        kwargs = dict(kwargs)
+        tools = kwargs.pop("tools", None)
+        required = bool(kwargs.pop("tool_required", False))
+        parallel = bool(kwargs.pop("allow_parallel_tool_calls", False))
+        engine_messages = to_engine_messages(messages)
+        if not tools:
+            return _ChatRequest(engine_messages, self._params(kwargs), False)
+        specs = [ToolSpec(t.metadata.name, t.metadata.description, t.metadata.get_parameters_dict()) for t in tools]
+        kwargs["json_schema"] = tool_call_schema(specs, allow_text=not required, parallel=parallel)
+        text = tool_instructions(specs, allow_text=not required)
+        if engine_messages and engine_messages[0]["role"] == "system":
+            engine_messages[0] = {"role": "system", "content": engine_messages[0]["content"] + "\n\n" + text}
+        else:
+            engine_messages.insert(0, {"role": "system", "content": text})
+        params = self._params(kwargs)
+        if params.max_new_tokens < TOOL_CALL_MIN_TOKENS:
+            params = params.copy(max_new_tokens=TOOL_CALL_MIN_TOKENS)
+        return _ChatRequest(engine_messages, params, True)
+
     @staticmethod
-    def _chat(out: GenerateOutput) -> ChatResponse:
+    def _chat(out: GenerateOutput, tool_mode: bool = False) -> ChatResponse:
         raw, extra = _usage_fields(out.meta, out.finish_reason)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=out.text), raw=raw,
-                            additional_kwargs=extra)
+        content = out.text
+        if tool_mode:
+            try:
+                if out.finish_reason == "length":
+                    raise InvalidRequestError("the tool call was cut off at max tokens; raise max_new_tokens")
+                parsed = parse_tool_reply(out.text)
+                content, extra["tool_calls"] = parsed.text, parsed.calls
+            except InvalidRequestError as exc:
+                content, extra["tool_calls"], extra["tool_call_error"] = "", [], str(exc)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content,
+                                                additional_kwargs={"tool_calls": extra.get("tool_calls", [])}
+                                                if tool_mode else {}),
+                            raw=raw, additional_kwargs=extra)
+
+    # -- function calling (LlamaIndex's FunctionCallingLLM) ---------------------------------
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 **kwargs: Any) -> dict[str, Any]:
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(user_msg if isinstance(user_msg, ChatMessage) else ChatMessage(role=MessageRole.USER,
+                                                                                           content=user_msg))
+        return {"messages": messages, "tools": list(tools), "tool_required": tool_required,
+                "allow_parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not calls and error_on_no_tool_call:
+            reason = response.additional_kwargs.get("tool_call_error")
+            raise ValueError(f"expected at least one tool call, got none{f' ({reason})' if reason else ''}")
+        return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["args"]) for c in calls]
 
     # -- completion ---------------------------------------------------------------------
     @llm_completion_callback()
@@ -146,16 +224,21 @@ class RadixLlamaIndexLLM(CustomLLM):
     # -- chat (engine applies the model's chat template) ----------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat(self._engine.generate(messages=to_engine_messages(messages), params=self._params(kwargs)))
+        req = self._chat_request(messages, kwargs)
+        return self._chat(self._engine.generate(messages=req.messages, params=req.params), req.tool_mode)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        out = await self._engine.agenerate(messages=to_engine_messages(messages), params=self._params(kwargs))
-        return self._chat(out)
+        req = self._chat_request(messages, kwargs)
+        return self._chat(await self._engine.agenerate(messages=req.messages, params=req.params), req.tool_mode)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        chunks = self._engine.stream(messages=to_engine_messages(messages), params=self._params(kwargs))
+        req = self._chat_request(messages, kwargs)
+        if req.tool_mode:  # a tool call is only meaningful once complete: one response
+            response = self._chat(self._engine.generate(messages=req.messages, params=req.params), True)
+            return iter([response])
+        chunks = self._engine.stream(messages=req.messages, params=req.params)
 
         def gen() -> Generator[ChatResponse, None, None]:
             text = ""
@@ -169,7 +252,15 @@ class RadixLlamaIndexLLM(CustomLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        chunks = self._engine.astream(messages=to_engine_messages(messages), params=self._params(kwargs))
+        req = self._chat_request(messages, kwargs)
+        if req.tool_mode:
+            response = self._chat(await self._engine.agenerate(messages=req.messages, params=req.params), True)
+
+            async def one() -> AsyncGenerator[ChatResponse, None]:
+                yield response
+
+            return one()
+        chunks = self._engine.astream(messages=req.messages, params=req.params)
 
         async def gen() -> AsyncGenerator[ChatResponse, None]:
             text = ""
