@@ -232,3 +232,18 @@ def test_real_function_agent_runs_to_completion_with_a_python_tool(engine: Any) 
     result = asyncio.run(run())
     assert str(result)  # ran to completion with a final answer
     assert calls and all(isinstance(a, int) and isinstance(b, int) for a, b in calls)  # the tool ran, typed args
+
+
+@pytest.mark.slow
+def test_real_condense_plus_context_chat_engine(engine: Any, index: Any) -> None:
+    """LlamaIndex's condense_plus_context chat engine: a follow-up is condensed with the history,
+    retrieval adds context, and the second turn reuses the first turn's prompt from the cache."""
+    llm = RadixLlamaIndexLLM(engine=engine, max_new_tokens=24)
+    chat = index.as_chat_engine(chat_mode="condense_plus_context", llm=llm, similarity_top_k=2)
+    first = chat.chat("Who built the Radix Lighthouse?")
+    assert str(first).strip() and first.source_nodes
+    before = engine.cache_stats()
+    second = chat.chat("And when was it built?")
+    after = engine.cache_stats()
+    assert str(second).strip() and len(chat.chat_history) == 4
+    assert after.cached_tokens > before.cached_tokens  # the shared system prompt / history came from the cache
