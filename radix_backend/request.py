@@ -154,6 +154,7 @@ class Req:
     detok_read_offset: int = 0  # output_ids before this are in `detok_text` for good
     detok_text: str = ""  # text of output_ids[:read_offset]; `text` may add a pending tail
     stop_check_from: int = 0  # text before this was produced below min_new_tokens: stop regexes skip it
+    _final: RequestMeta | None = None  # the finished request's accounting, taken once (final_meta)
     sent_text_len: int = 0
     sent_token_len: int = 0
     meta: RequestMeta = field(default_factory=RequestMeta)
@@ -281,12 +282,15 @@ class Req:
 
     def final_meta(self) -> RequestMeta:
         """The finished request's accounting, counts filled in, as a copy of its own: the scheduler
-        keeps writing `self.meta` while a consumer thread may already read what it was handed."""
-        self.meta.prompt_tokens = len(self.prompt_ids)
-        self.meta.completion_tokens = len(self.output_ids)
-        self.meta.total_time_s = time.perf_counter() - self.submit_time
-        self.meta.matched_stop = self.matched_stop
-        return replace(self.meta)
+        keeps writing `self.meta` while a consumer thread may already read what it was handed. Taken
+        once, so the last stream chunk and the output report the same figures."""
+        if self._final is None:
+            self.meta.prompt_tokens = len(self.prompt_ids)
+            self.meta.completion_tokens = len(self.output_ids)
+            self.meta.total_time_s = time.perf_counter() - self.submit_time
+            self.meta.matched_stop = self.matched_stop
+            self._final = replace(self.meta)
+        return self._final
 
     def build_output(self) -> GenerateOutput:
         logprobs = self.output_logprobs if self.params.logprobs else None
