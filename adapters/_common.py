@@ -156,6 +156,14 @@ class ToolSpec:
 
 
 TEXT_REPLY_KEY = "response"
+TOOL_CALL_MIN_TOKENS = 256  # the constrained JSON of a tool call with its arguments, with room to spare
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`messages` with `text` appended to the system message (one is added first when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def tool_call_schema(tools: list[ToolSpec], *, allow_text: bool, parallel: bool = False) -> dict[str, Any]:

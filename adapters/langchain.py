@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from ._common import (
     ParsedToolReply,
+    TOOL_CALL_MIN_TOKENS,
     ToolSpec,
     close_objects,
     Usage,
@@ -30,6 +31,7 @@ from ._common import (
     to_json_schema,
     tool_call_schema,
     tool_instructions,
+    with_system_text,
 )
 
 require("langchain_core", "langchain", "langchain-core")
@@ -77,7 +79,6 @@ from radix_backend.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["RadixChatModel", "RadixLLM"]
 
-TOOL_CALL_MIN_TOKENS = 256  # the constrained JSON of a tool call with its arguments, with room to spare
 _IGNORED_KWARGS = ("stream", "ls_structured_output_format", "structured_output_format")
 
 
@@ -217,12 +218,6 @@ def _tool_specs(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[Too
     return chosen, False
 
 
-def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
 def _ai_message(out: GenerateOutput, tool_mode: bool, model_name: str, chunk: bool = False) -> AIMessage:
     usage = usage_metadata(Usage.from_meta(out.meta))
     meta = {"finish_reason": out.finish_reason, "model_name": model_name}
@@ -292,13 +287,13 @@ class RadixChatModel(_EngineFields, BaseChatModel):
         parallel = bool(kwargs.pop("parallel_tool_calls", False))
         engine_messages = [to_engine_message(m) for m in messages]
         if instructions:
-            engine_messages = _with_system_text(engine_messages, instructions)
+            engine_messages = with_system_text(engine_messages, instructions)
         tool_mode = bool(tools) and tool_choice != "none"
         params = None
         if tool_mode:
             specs, allow_text = _tool_specs(tools, tool_choice)
             kwargs["json_schema"] = tool_call_schema(specs, allow_text=allow_text, parallel=parallel)
-            engine_messages = _with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text))
+            engine_messages = with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text))
             params = self._params(stop, kwargs)
             if "max_tokens" not in kwargs and params.max_new_tokens < TOOL_CALL_MIN_TOKENS:
                 params = params.copy(max_new_tokens=TOOL_CALL_MIN_TOKENS)  # a whole call, not one cut at 100

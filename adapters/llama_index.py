@@ -14,8 +14,8 @@ from typing import Any, Type
 import json
 from dataclasses import dataclass
 
-from ._common import (ToolSpec, Usage, message_text, parse_tool_reply, require, resolve_engine, sampling_params,
-                      to_json_schema, tool_call_schema, tool_instructions)
+from ._common import (TOOL_CALL_MIN_TOKENS, ToolSpec, Usage, message_text, parse_tool_reply, require, resolve_engine,
+                      sampling_params, to_json_schema, tool_call_schema, tool_instructions, with_system_text)
 
 require("llama_index.core", "llamaindex", "llama-index-core")
 
@@ -46,9 +46,6 @@ __all__ = ["RadixLlamaIndexLLM"]
 _ROLE = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
          MessageRole.ASSISTANT: "assistant", MessageRole.MODEL: "assistant", MessageRole.CHATBOT: "assistant",
          MessageRole.TOOL: "tool", MessageRole.FUNCTION: "tool"}
-
-
-TOOL_CALL_MIN_TOKENS = 256  # room for a whole constrained tool call with its arguments
 
 
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -137,11 +134,7 @@ class RadixLlamaIndexLLM(FunctionCallingLLM):
             return _ChatRequest(engine_messages, self._params(kwargs), False)
         specs = [ToolSpec(t.metadata.name, t.metadata.description, t.metadata.get_parameters_dict()) for t in tools]
         kwargs["json_schema"] = tool_call_schema(specs, allow_text=not required, parallel=parallel)
-        text = tool_instructions(specs, allow_text=not required)
-        if engine_messages and engine_messages[0]["role"] == "system":
-            engine_messages[0] = {"role": "system", "content": engine_messages[0]["content"] + "\n\n" + text}
-        else:
-            engine_messages.insert(0, {"role": "system", "content": text})
+        engine_messages = with_system_text(engine_messages, tool_instructions(specs, allow_text=not required))
         params = self._params(kwargs)
         if params.max_new_tokens < TOOL_CALL_MIN_TOKENS:
             params = params.copy(max_new_tokens=TOOL_CALL_MIN_TOKENS)
