@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radix_backend.engine import Engine as RadixEngine
-from radix_backend.outputs import GenerateOutput
+from radix_backend.outputs import GenerateOutput, sglang_finish_reason
 from radix_backend.sampling_params import sglang_sampling_params
 
 from .backends.runtime_endpoint import RuntimeEndpoint
@@ -146,8 +146,7 @@ class Engine:
 
 def _as_dict(out: GenerateOutput) -> dict[str, Any]:
     m = out.meta
-    finish = ({"type": "length", "length": m.completion_tokens} if out.finish_reason == "length"
-              else {"type": out.finish_reason, "matched": m.matched_stop})
+    finish = sglang_finish_reason(out.finish_reason, m.matched_stop, m.completion_tokens)
     return {"text": out.text, "output_ids": list(out.token_ids),
             "meta_info": {"id": out.request_id, "finish_reason": finish, "prompt_tokens": m.prompt_tokens,
                           "completion_tokens": m.completion_tokens, "cached_tokens": m.cached_tokens,

@@ -15,12 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ..errors import InvalidRequestError
-from ..outputs import GenerateOutput
+from ..outputs import GenerateOutput, sglang_finish_reason
 from ..sampling_params import sglang_sampling_params
 from .common import (chunk_as_output, iterate_streams, Job, open_streams, run_jobs, ServerState, sse_event,
                             sse_response)
 from .metrics import RequestTracker
-from .protocol import GenerateReqInput, sglang_finish_reason
+from .protocol import GenerateReqInput
 
 def add_native_routes(app: FastAPI, state: ServerState) -> None:
     """Register SGLang's /generate on `app`, served from `state`."""

@@ -262,13 +262,3 @@ class GenerateReqInput(_Request):
         """Per-request value of a field that may be given once for the batch or once per request."""
         value = getattr(self, field)
         return value[i] if isinstance(value, list) else value
-
-
-def sglang_finish_reason(finish_reason: str, matched: str | int | None, completion_tokens: int,
-                         message: str | None = None) -> dict[str, Any]:
-    """SGLang's `meta_info.finish_reason`: {"type": "stop", "matched": ...} / {"type": "length", "length": n}."""
-    if finish_reason == "length":
-        return {"type": "length", "length": completion_tokens}
-    if finish_reason == "abort":
-        return {"type": "abort", "message": message or "aborted"}
-    return {"type": "stop", "matched": matched}
