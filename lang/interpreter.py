@@ -420,18 +420,18 @@ def _execute_backend_step(work: list[tuple[ProgramState, SglExpr]]) -> None:
             batch.setdefault(id(st._run.backend), []).append((st, node))
     for items in batch.values():
         backend = items[0][0]._run.backend
-        counts = [_gen_options(st._run, node).n for st, node in items]  # n samples: n requests
-        prompts = [st._text for (st, _), k in zip(items, counts) for _ in range(k)]
-        params = [_gen_params(st._run, node) for (st, node), k in zip(items, counts) for _ in range(k)]
+        plans = [(_gen_params(st._run, node), _gen_options(st._run, node)) for st, node in items]
+        prompts = [st._text for (st, _), (_, opt) in zip(items, plans) for _ in range(opt.n)]  # n samples: n requests
+        params = [p for p, opt in plans for _ in range(opt.n)]
         outs = backend.generate(prompts, params)
         if len(outs) != len(prompts):
             raise RuntimeError(f"backend returned {len(outs)} outputs for {len(prompts)} prompts")
         start = 0
-        for (st, node), k in zip(items, counts):
-            mine, start = outs[start:start + k], start + k
+        for (st, node), (p, opt) in zip(items, plans):
+            mine, start = outs[start:start + opt.n], start + opt.n
             prompt = st._text
             st._append(mine[0].text)
-            _store_gen(st, node, mine, prompt)
+            _store_gen(st, node, mine, prompt, p, opt)
 
 
 def _gen_options(run: ProgramRun, node: SglGen) -> GenOptions:
@@ -451,13 +451,12 @@ def _gen_params(run: ProgramRun, node: SglGen) -> SamplingParams:
     return p
 
 
-def _store_gen(st: ProgramState, node: SglGen, outs: list[GenerateOutput], prompt: str) -> None:
+def _store_gen(st: ProgramState, node: SglGen, outs: list[GenerateOutput], prompt: str, params: SamplingParams,
+               options: GenOptions) -> None:
     """Variable `node.name` := the text (a list of n texts for n > 1), with SGLang-style meta info."""
     if node.name is None:
         return
     meta = gen_meta(outs[0])
-    options = _gen_options(st._run, node)
-    params = _gen_params(st._run, node)
     backend = st._run.backend
     if params.logprobs and options.logprob_start_len is not None:
         meta["input_token_logprobs"] = backend.prompt_logprobs(prompt, max(0, options.logprob_start_len))
@@ -489,8 +488,8 @@ def gen_meta(out: GenerateOutput) -> dict[str, Any]:
 
 
 def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
-    params = _gen_params(st._run, node)
-    if _gen_options(st._run, node).n != 1:
+    params, options = _gen_params(st._run, node), _gen_options(st._run, node)
+    if options.n != 1:
         raise UnsupportedFeatureError(f"gen({node.name!r}, n>1) cannot stream; run the program without stream=True")
     prompt = st._text
     parts: list[str] = []
@@ -506,7 +505,7 @@ def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
         meta = chunk.meta or meta
     out = GenerateOutput("".join(parts), ids, finish or "stop", meta or RequestMeta(),
                          logprobs=logprobs if params.logprobs else None)
-    _store_gen(st, node, [out], prompt)
+    _store_gen(st, node, [out], prompt, params, options)
 
 
 def _execute_select(st: ProgramState, node: SglSelect) -> None:
