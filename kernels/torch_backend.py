@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from . import shared_prefix as sp
 from .attention_base import AttentionBackend, AttentionMetadata
+from .decode_kv import DecodeKVBuffer
 
 # Pad ragged requests into one batched product while the padded work is at most this many times
 # the real work; beyond it, one product per request is cheaper.
@@ -32,6 +33,7 @@ class _Plan:
     # padded layout: query row and key slot per (request, position), validity as an additive mask
     query_rows: torch.Tensor | None  # [B, Emax] int64 row of q for each (request, new token)
     key_slots: torch.Tensor | None  # [B, Lmax] int64
+    key_lens: torch.Tensor | None  # [B] int64 valid keys per row
     mask: torch.Tensor | None  # [B, 1, Emax, Lmax] fp32, 0 or -inf
     valid_rows: torch.Tensor | None  # [B * Emax] bool: padded positions that are real tokens
     # per-request layout (not padded): remainder slots and causal offset of each request
@@ -46,20 +48,31 @@ class TorchAttentionBackend(AttentionBackend):
         self.share_prefixes = share_prefixes
         self._plan: _Plan | None = None
         self._plan_meta: AttentionMetadata | None = None
+        self.decode_kv = DecodeKVBuffer()  # K/V of consecutive decode steps, kept between them
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         self._plan, self._plan_meta = self._build_plan(meta), meta
+        if meta.is_decode:
+            self.decode_kv.plan(self._plan.key_slots, self._plan.key_lens)
+        else:
+            self.decode_kv.reset()  # an extend may rewrite slots the buffer copied
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
-        plan = self._plan if self._plan_meta is meta else self._build_plan(meta)
+        planned = self._plan_meta is meta
+        plan = self._plan if planned else self._build_plan(meta)
         tokens, hq, dim = q.shape
         hkv = k_cache.shape[1]
-        if not plan.groups:
+        if meta.is_decode:
+            decode_kv = self.decode_kv if planned else DecodeKVBuffer.one_off(plan.key_slots, plan.key_lens)
+            out, lse = self._decode(q, k, v, k_cache, v_cache, plan, decode_kv, scale)
+            if not plan.groups:
+                return out.view(tokens, hq, dim)
+        elif not plan.groups:
             if plan.padded:
                 return self._padded_sdpa(q, k_cache, v_cache, plan, scale)
             return self._per_request(q, k_cache, v_cache, meta, plan, scale, with_lse=False)[0]
-        if plan.padded:
+        elif plan.padded:
             out, lse = self._padded_attend(q, k_cache, v_cache, plan, scale)
         else:
             out, lse = self._per_request(q, k_cache, v_cache, meta, plan, scale, with_lse=True)
@@ -93,7 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
         device = meta.kv_indices.device
         group_rows = [torch.cat([torch.arange(qo_ptr[i], qo_ptr[i + 1]) for i in g.members.tolist()]).to(device)
                       for g in groups]
-        plan = _Plan(groups, group_rows, padded, None, None, None, None, [], [])
+        plan = _Plan(groups, group_rows, padded, None, None, None, None, None, [], [])
         if padded:
             self._plan_padded(plan, meta, kv_ptr, qo_ptr, shared, rest_lens, max_e, max_l)
         else:
@@ -111,6 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
         ar_l = torch.arange(max_l, device=device)
         key_valid = ar_l[None, :] < lens[:, None]  # [B, Lmax]
         plan.key_slots = meta.kv_indices[torch.where(key_valid, starts[:, None] + ar_l[None, :], 0)]
+        plan.key_lens = lens
         extend = torch.tensor(meta.extend_lens_cpu, device=device)
         ar_e = torch.arange(max_e, device=device)
         query_valid = ar_e[None, :] < extend[:, None]  # [B, Emax]
@@ -124,6 +138,15 @@ class TorchAttentionBackend(AttentionBackend):
         plan.mask = mask.masked_fill_(~visible, float("-inf"))[:, None]  # [B, 1, Emax, Lmax]
 
     # ---- the remainder of each request ----------------------------------------------------------
+    @staticmethod
+    def _decode(q, k, v, k_cache, v_cache, plan: _Plan, decode_kv: DecodeKVBuffer, scale: float):
+        """One new token per request: (out, lse) [B, Hkv, G, D|1] over each request's remainder."""
+        keys, values = decode_kv.read(k_cache, v_cache, k, v)
+        bsz, hkv = keys.shape[:2]
+        grouped = q.view(bsz, hkv, q.shape[1] // hkv, q.shape[2])
+        return sp.attend_decode(grouped, keys.to(q.dtype), values.to(q.dtype), scale, plan.mask.to(q.dtype),
+                                with_lse=bool(plan.groups))
+
     @staticmethod
     def _gather_padded(q, k_cache, v_cache, plan: _Plan):
         bsz, max_e = plan.query_rows.shape
