@@ -22,7 +22,7 @@ from .loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint
 from .model_runner import ModelRunner
 from .outputs import ChoiceScore, GenerateOutput, StreamChunk
 from .request import Req, RequestHandle
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, check_encodable
 from .scheduler import Scheduler
 
 Prompt = str
@@ -89,6 +89,7 @@ class Engine:
             return None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        check_encodable(text, "prompt")  # a lone surrogate makes the tokenizer raise a TypeError
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -156,8 +157,13 @@ class Engine:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens but the model's context window is {self.context_length}; "
                 "shorten the prompt")
+        if len(prompt_ids) + params.max_new_tokens > self.context_length:  # a 400 as in vLLM/SGLang, not a clamp
+            raise PromptTooLongError(
+                f"this model's context window is {self.context_length} tokens, but {len(prompt_ids)} prompt tokens + "
+                f"max_new_tokens {params.max_new_tokens} = {len(prompt_ids) + params.max_new_tokens}; lower "
+                f"max_new_tokens to at most {self.context_length - len(prompt_ids)}")
         total = self.scheduler.allocator.num_total
-        needed = len(prompt_ids) + min(params.max_new_tokens, self.context_length - len(prompt_ids))
+        needed = len(prompt_ids) + params.max_new_tokens
         if needed > total:
             raise KVCacheTooSmallError(
                 f"request needs {needed} KV slots (prompt {len(prompt_ids)} + max_new_tokens) but the pool has {total}; "

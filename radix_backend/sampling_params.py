@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -66,34 +67,31 @@ class SamplingParams:
         return replace(self, **changes)
 
     def validate(self) -> None:
-        """Raise InvalidRequestError naming the bad field; called by the engine at submit."""
+        """Raise InvalidRequestError naming the bad field; called by the engine at submit, so the
+        Python API, /generate and the OpenAI routes share it. Every number is type-checked, finite
+        and bounded so that no value can overflow the sampler (e.g. logits / 1e-39)."""
 
         def bad(msg: str) -> None:
             raise InvalidRequestError(f"SamplingParams: {msg}")
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            bad(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if not isinstance(self.min_new_tokens, int) or isinstance(self.min_new_tokens, bool) or self.min_new_tokens < 0:
-            bad(f"min_new_tokens must be an int >= 0, got {self.min_new_tokens!r}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            bad(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.top_logprobs < 0 or self.top_logprobs > 20:
-            bad(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        for name, (lo, hi) in _INT_RANGES.items():
+            value = getattr(self, name)
+            if not _is_int(value) or not lo <= value <= hi:
+                bad(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -SEED_LIMIT <= self.seed < SEED_LIMIT):
+            bad(f"seed must be an int in [-2**63, 2**63), got {self.seed!r}")
+        if self.top_k == 0:
+            bad("top_k must be -1 (disabled) or >= 1, got 0")
+        for name, (lo, hi, lo_open) in _FLOAT_RANGES.items():
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+                bad(f"{name} must be a finite number in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not all(isinstance(s, str) for s in self.stop):
             bad("stop must be a string or a list of strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative ints")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias, bad)
@@ -104,11 +102,46 @@ class SamplingParams:
                 re.compile(pattern)
             except re.error as exc:
                 bad(f"stop_regex {pattern!r} is not a valid regular expression: {exc}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                bad(f"{name} must be a string")
         n_constraints = sum(x is not None for x in (self.regex, self.json_schema, self.grammar, self.choices))
         if n_constraints > 1:
             bad("set at most one of regex, json_schema, grammar, choices")
-        if self.choices is not None and (not self.choices or not all(isinstance(c, str) for c in self.choices)):
+        if self.choices is not None and (not isinstance(self.choices, list) or not self.choices
+                                         or not all(isinstance(c, str) for c in self.choices)):
             bad("choices must be a non-empty list of strings")
+        for text in [*self.stop, *self.stop_regex, *(self.choices or []), self.regex or "", self.grammar or ""]:
+            check_encodable(text, "SamplingParams")
+
+
+SEED_LIMIT = 2 ** 63
+MAX_TOKENS_LIMIT = 2 ** 31 - 1
+_INT_RANGES = {"max_new_tokens": (0, MAX_TOKENS_LIMIT), "min_new_tokens": (0, MAX_TOKENS_LIMIT),
+               "top_k": (-1, MAX_TOKENS_LIMIT), "top_logprobs": (0, 20)}
+# name -> (low, high, low end excluded). repetition_penalty divides (or multiplies) logits by it:
+# [0.01, 100] keeps fp32 logits finite; OpenAI's ranges for the others
+_FLOAT_RANGES = {"temperature": (0.0, 100.0, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
+                 "frequency_penalty": (-2.0, 2.0, False), "presence_penalty": (-2.0, 2.0, False),
+                 "repetition_penalty": (0.01, 100.0, False)}
+_BOOL_FIELDS = ("ignore_eos", "no_stop_trim", "skip_special_tokens", "logprobs")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_encodable(text: str, where: str) -> None:
+    """Text a tokenizer can take: valid Unicode (a lone UTF-16 surrogate, which JSON can carry, is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{where}: text contains a character that is not valid Unicode "
+                                  f"({exc.reason} at position {exc.start}, {text[exc.start]!r}); send UTF-8 text") from None
 
 
 def _checked_logit_bias(bias: Any, bad: Any) -> dict[int, float]:
@@ -121,7 +154,7 @@ def _checked_logit_bias(bias: Any, bad: Any) -> dict[int, float]:
             token = int(key)
         except (TypeError, ValueError):
             bad(f"logit_bias keys must be token ids, got {key!r}")
-        if token < 0 or isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+        if token < 0 or not _is_number(value) or not -100 <= value <= 100:
             bad(f"logit_bias[{key!r}] must be a token id >= 0 with a bias in [-100, 100], got {value!r}")
         out[token] = float(value)
     return out

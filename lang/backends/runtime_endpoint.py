@@ -132,6 +132,9 @@ class RuntimeEndpoint(BaseBackend):
         return self._chat_template
 
     def _template_from_checkpoint(self) -> ChatTemplate:
+        served = self._template_from_server()
+        if served is not None:
+            return served
         try:
             from radix_backend.loader import load_tokenizer, resolve_checkpoint
 
@@ -144,6 +147,22 @@ class RuntimeEndpoint(BaseBackend):
         except Exception as exc:  # noqa: BLE001 - the checkpoint may live on another machine
             logger.warning("RuntimeEndpoint: cannot read the served model's chat template (%s); using ChatML", exc)
         return chatml()
+
+    def _template_from_server(self) -> ChatTemplate | None:
+        """The Jinja template our server reports in /get_model_info, rendered here as its tokenizer would."""
+        template = self.model_info.get("chat_template")
+        if not isinstance(template, str):
+            return None
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        specials = self.model_info.get("special_tokens") or {}
+
+        def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+            rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
+                                                add_generation_prompt=generation_prompt, **specials)
+            return rendered[0]
+
+        return from_renderer(render, name=str(self.model_info.get("served_model_name") or "server"))
 
     def generate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
         data = {"text": list(prompts), "sampling_params": [sampling_params_to_json(p) for p in params]}

@@ -4,11 +4,12 @@
 - `openai_api`, `native_api`: the two route families
 - `common`: what both share (server state, jobs, streaming, error mapping)
 - `protocol`: request/response models; `metrics`: Prometheus metrics
+- `guard`: API key and request-size limits (ASGI middleware)
 - `router`: data-parallel engine replicas behind a cache-aware router
 """
 
-from .app import (DEFAULT_MODEL_PATH, ClientDisconnected, ModelNotFoundError, ServerThread, add_serve_args, build_engine,
-                  create_app, error_response, main, run_serve, serve)
+from .app import (DEFAULT_MODEL_PATH, ClientDisconnected, ModelNotFoundError, ServerLimits, ServerThread, add_serve_args,
+                  build_engine, create_app, error_response, main, run_serve, serve)
 
-__all__ = ["DEFAULT_MODEL_PATH", "ClientDisconnected", "ModelNotFoundError", "ServerThread", "add_serve_args",
+__all__ = ["DEFAULT_MODEL_PATH", "ClientDisconnected", "ModelNotFoundError", "ServerLimits", "ServerThread", "add_serve_args",
            "build_engine", "create_app", "error_response", "main", "run_serve", "serve"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import threading
 import time
 from typing import Any
@@ -36,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - the server extra installs them
     raise MissingDependencyError.for_extra("fastapi and uvicorn", "server") from exc
 
 from .common import DEFAULT_MODEL_PATH, ClientDisconnected, ModelNotFoundError, error_json, ServerState, error_response
+from .guard import API_KEY_ENV, AccessGuard, ServerLimits, is_loopback, resolve_api_key
 from .metrics import ServerMetrics
 from .native_api import add_native_routes
 from .openai_api import add_openai_routes
@@ -43,7 +45,7 @@ from .protocol import ModelCard, ModelList
 from .router import POLICIES as ROUTER_POLICIES
 
 __all__ = ["DEFAULT_MODEL_PATH", "ClientDisconnected", "ModelNotFoundError", "ServerThread", "add_serve_args",
-           "build_engine", "create_app", "error_response", "main", "run_serve", "serve"]
+           "ServerLimits", "build_engine", "create_app", "error_response", "main", "run_serve", "serve"]
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -90,17 +92,20 @@ class _MetricsMiddleware:
 
 
 def create_app(engine: EngineLike, *, served_model_name: str | None = None, model_path: str | None = None,
-               incremental_streaming_output: bool = False) -> FastAPI:
+               incremental_streaming_output: bool = False, api_key: str | None = None,
+               limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an Engine, or anything with its API such as the
     data-parallel `Router`). The engine is not shut down by the app; `serve()` does that.
-    `model_path` is the name clients see (default: the model as the engine was given it)."""
-    state = ServerState(engine, served_model_name, model_path, incremental_streaming_output)
+    `model_path` is the name clients see (default: the model as the engine was given it).
+    `api_key` (else $RADIX_BACKEND_API_KEY) guards every route but /health; `limits` bound sizes."""
+    state = ServerState(engine, served_model_name, model_path, incremental_streaming_output, limits)
     app = FastAPI(title="radix-backend", version="0.1.0")
     app.state.server = state
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics",
                  "/get_model_info", "/model_info", "/get_server_info", "/server_info", "/health_generate",
                  "/flush_cache"}
-    app.add_middleware(_MetricsMiddleware, metrics=state.metrics, endpoints=endpoints)
+    app.add_middleware(AccessGuard, api_key=resolve_api_key(api_key), limits=state.limits)
+    app.add_middleware(_MetricsMiddleware, metrics=state.metrics, endpoints=endpoints)  # outermost: counts 401/413
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -143,7 +148,8 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
-                "served_model_name": state.model_name, "max_context_length": engine.context_length}
+                "served_model_name": state.model_name, "max_context_length": engine.context_length,
+                **state.chat_template_info()}
 
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -153,14 +159,14 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
                 "context_length": engine.context_length, "dp_size": len(getattr(engine, "replicas", [engine])),
                 "cache_stats": {k: v for k, v in vars(stats).items()}, **state.metrics.snapshot()}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")  # changes state: POST only (a GET must be safe to prefetch or crawl)
     async def flush_cache() -> PlainTextResponse:
         ok = await asyncio.to_thread(engine.flush_cache)
         if ok:
             return PlainTextResponse("Cache flushed.\n")
         return PlainTextResponse("Cache not flushed: requests are running; retry when idle.\n", status_code=400)
 
-    @app.api_route("/concate_and_append_request", methods=["GET", "POST"])
+    @app.post("/concate_and_append_request")
     async def concate_and_append() -> JSONResponse:
         """Old SGLang clients call this for fork join(mode="concate_and_append"); fail fast, not 404."""
         return error_json(400, "/concate_and_append_request is not supported: KV concatenation across requests "
@@ -220,6 +226,12 @@ class ServerThread:
         self.stop()
 
 
+def warn_unprotected(host: str) -> None:
+    print(f"WARNING: serving on {host}, reachable from other machines, without an API key: anyone who can reach "
+          f"the port can run the model and flush its cache. Set --api-key or ${API_KEY_ENV}.", file=sys.stderr,
+          flush=True)
+
+
 def build_engine(model: str | None = None, *, dp_size: int = 1, router_policy: str = "cache_aware",
                  **engine_kwargs: Any) -> EngineLike:
     """One Engine, or `dp_size` Engines behind a cache-aware data-parallel router."""
@@ -236,12 +248,15 @@ def build_engine(model: str | None = None, *, dp_size: int = 1, router_policy: s
 
 def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 30000, dp_size: int = 1,
           router_policy: str = "cache_aware", served_model_name: str | None = None, log_level: str = "info",
-          incremental_streaming_output: bool = False, **engine_kwargs: Any) -> None:
+          incremental_streaming_output: bool = False, api_key: str | None = None,
+          limits: ServerLimits | None = None, **engine_kwargs: Any) -> None:
     """Load the model (dp_size replicas), serve it until interrupted, then shut the engines down."""
+    if resolve_api_key(api_key) is None and not is_loopback(host):
+        warn_unprotected(host)
     engine = build_engine(model, dp_size=dp_size, router_policy=router_policy, **engine_kwargs)
     try:
         app = create_app(engine, served_model_name=served_model_name, model_path=model,
-                         incremental_streaming_output=incremental_streaming_output)
+                         incremental_streaming_output=incremental_streaming_output, api_key=api_key, limits=limits)
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     finally:
         engine.shutdown()
@@ -259,6 +274,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--incremental-streaming-output", action="store_true",
                         help="stream only new text/ids/logprobs per /generate event (SGLang's flag; default cumulative)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV})")
+    defaults = ServerLimits()
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes,
+                        help="larger request bodies are answered 413")
+    parser.add_argument("--max-n", type=int, default=defaults.max_n, help="most samples per prompt (n)")
+    parser.add_argument("--max-n-tokens", type=int, default=defaults.max_n_tokens,
+                        help="most new tokens one request may ask for (n x max_tokens over its prompts)")
     add_cli_args(parser.add_argument_group("engine"))
     return parser
 
@@ -266,7 +289,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> None:
     serve(args.model, host=args.host, port=args.port, dp_size=args.dp_size, router_policy=args.router_policy,
           served_model_name=args.served_model_name, log_level=args.log_level,
-          incremental_streaming_output=args.incremental_streaming_output, config=from_cli_args(args))
+          incremental_streaming_output=args.incremental_streaming_output, api_key=args.api_key,
+          limits=ServerLimits(args.max_body_bytes, args.max_n, args.max_n_tokens), config=from_cli_args(args))
 
 
 def main(argv: list[str] | None = None) -> None:

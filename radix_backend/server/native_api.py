@@ -28,7 +28,8 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/generate")
     async def generate(request: Request, req: GenerateReqInput) -> Any:
-        jobs, specs = _sglang_jobs(req)
+        jobs, specs = _sglang_jobs(req, state)
+        state.check_limits(jobs)
         tracker = state.metrics.track("/generate")
         if req.stream:
             incremental = state.incremental_streaming_output if req.incremental_streaming_output is None \
@@ -54,7 +55,7 @@ class _LogprobSpec:
     with_text: bool = False  # return_text_in_logprobs
 
 
-def _sglang_jobs(req: GenerateReqInput) -> tuple[list[Job], list[_LogprobSpec]]:
+def _sglang_jobs(req: GenerateReqInput, state: ServerState) -> tuple[list[Job], list[_LogprobSpec]]:
     if (req.text is None) == (req.input_ids is None):
         raise InvalidRequestError("set exactly one of text or input_ids")
     if req.text is not None:
@@ -75,6 +76,7 @@ def _sglang_jobs(req: GenerateReqInput) -> tuple[list[Job], list[_LogprobSpec]]:
     jobs, specs = [], []
     for i, inputs in enumerate(inputs_list):
         params, n = sglang_sampling_params(req.item("sampling_params", i))
+        state.check_n(n)
         want = bool(req.item("return_logprob", i))
         top = int(req.item("top_logprobs_num", i) or 0)
         if want:

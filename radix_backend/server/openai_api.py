@@ -110,6 +110,7 @@ def _openai_params(req: ChatCompletionRequest | CompletionRequest, max_new_token
         top_k=req.top_k, min_p=req.min_p, frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        logit_bias=req.logit_bias, min_new_tokens=req.min_tokens,
         seed=req.seed, logprobs=logprobs, top_logprobs=top_logprobs, regex=req.regex,
         json_schema=schema if schema is not None else req.json_schema, grammar=req.ebnf,
     )

@@ -20,7 +20,8 @@ def new_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    # strict: a string where a number or bool belongs is a 400, not silently coerced ("7" -> 7)
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), strict=True)
 
 
 class StreamOptions(BaseModel):
@@ -77,6 +78,8 @@ class _SamplingFields(_Request):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, JSON keys are) -> bias in [-100, 100]
+    min_tokens: int = 0  # vLLM's name of min_new_tokens
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     regex: str | None = None
