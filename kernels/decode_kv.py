@@ -27,10 +27,14 @@ MAX_BYTES = 1 << 30
 
 
 @dataclass
-class _LayerBuffer:
+class _LayerKV:
+    """One layer's keys/values of the last step: the gather itself ([B, Hkv, L, D] views of a
+    [B, L, Hkv, D] tensor) after a rebuild, or the appendable buffer once a step continued it."""
+
     cache: weakref.ref  # the pool tensor these are copies of (a new pool invalidates them)
-    keys: torch.Tensor  # [B, Hkv, capacity, D]
+    keys: torch.Tensor
     values: torch.Tensor
+    in_buffer: bool  # keys/values are [B, Hkv, capacity, D] buffers
 
     @property
     def nbytes(self) -> int:
@@ -87,34 +91,47 @@ class DecodeKVBuffer:
     def read(self, k_cache: torch.Tensor, v_cache: torch.Tensor, new_k: torch.Tensor,
              new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, Hkv, L, D] of this layer (cache dtype). new_k/new_v [B, Hkv, D]
-        are the step's new tokens (already stored in the pool), one per row."""
+        are the step's new tokens (already stored in the pool), one per row.
+
+        A rebuild costs what a plain gather costs (its result is kept, not copied); the first step
+        that continues it moves it into a buffer with spare columns, later ones write one column."""
         assert self._slots is not None, "plan() first"
         bsz, width = self._slots.shape
-        entry = self._layers.get(id(k_cache))
+        key = id(k_cache)
+        entry = self._layers.get(key)
         if self._append and entry is not None and entry.cache() is k_cache:
-            rows, cols = torch.arange(bsz, device=new_k.device), self._lens - 1
-            entry.keys[rows, :, cols] = new_k.to(entry.keys.dtype)
-            entry.values[rows, :, cols] = new_v.to(entry.values.dtype)
-            return entry.keys[:, :, :width], entry.values[:, :, :width]
+            if not entry.in_buffer:
+                entry = self._into_buffer(key, entry)
+            if entry is not None:
+                rows, cols = torch.arange(bsz, device=new_k.device), self._lens - 1
+                entry.keys[rows, :, cols] = new_k.to(entry.keys.dtype)
+                entry.values[rows, :, cols] = new_v.to(entry.values.dtype)
+                return entry.keys[:, :, :width], entry.values[:, :, :width]
         flat = self._slots.reshape(-1)
         keys = k_cache.index_select(0, flat).view(bsz, width, *k_cache.shape[1:]).transpose(1, 2)
         values = v_cache.index_select(0, flat).view(bsz, width, *v_cache.shape[1:]).transpose(1, 2)
-        entry = self._allocate(k_cache, keys.shape)
-        if entry is None:
-            return keys, values
-        entry.keys[:, :, :width].copy_(keys)
-        entry.values[:, :, :width].copy_(values)
-        return entry.keys[:, :, :width], entry.values[:, :, :width]
+        self._layers.pop(key, None)
+        gathered = _LayerKV(weakref.ref(k_cache), keys, values, in_buffer=False)
+        if self._used_bytes() + gathered.nbytes <= self.max_bytes:
+            self._layers[key] = gathered
+        return keys, values
 
-    def _allocate(self, k_cache: torch.Tensor, shape: torch.Size) -> _LayerBuffer | None:
-        bsz, heads, _width, dim = shape
-        self._layers.pop(id(k_cache), None)
-        capacity = self._capacity
-        need = 2 * bsz * heads * capacity * dim * k_cache.element_size()
-        if sum(e.nbytes for e in self._layers.values()) + need > self.max_bytes:
+    def _into_buffer(self, key: int, gathered: _LayerKV) -> _LayerKV | None:
+        """Last step's gather copied into [B, Hkv, capacity, D] buffers (None: over the byte budget)."""
+        bsz, heads, width, dim = gathered.keys.shape
+        del self._layers[key]
+        need = 2 * bsz * heads * self._capacity * dim * gathered.keys.element_size()
+        if self._used_bytes() + need > self.max_bytes:
             return None
-        # zeros, not empty: a shorter row's padding columns are masked, and a mask cannot hide a NaN
-        buffers = [torch.zeros(bsz, heads, capacity, dim, dtype=k_cache.dtype, device=k_cache.device) for _ in range(2)]
-        entry = _LayerBuffer(weakref.ref(k_cache), *buffers)
-        self._layers[id(k_cache)] = entry
+        buffers = []
+        for old in (gathered.keys, gathered.values):
+            buffer = torch.empty(bsz, heads, self._capacity, dim, dtype=old.dtype, device=old.device)
+            buffer[:, :, :width].copy_(old)
+            buffer[:, :, width:].zero_()  # padding columns of shorter rows are masked, but a mask cannot hide NaN
+            buffers.append(buffer)
+        entry = _LayerKV(gathered.cache, *buffers, in_buffer=True)
+        self._layers[key] = entry
         return entry
+
+    def _used_bytes(self) -> int:
+        return sum(e.nbytes for e in self._layers.values())

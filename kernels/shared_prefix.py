@@ -100,8 +100,10 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     [B, Hkv, G, L] -> (out [B, Hkv, G, D], lse [B, Hkv, G, 1]). Two batched matmuls: on the CPU about
     twice as fast as the flash kernel for a single query row (which also repeats K/V per head).
     Without `with_lse` the softmax is one fused op and lse is None. Below fp32 the scores of a
-    half-precision matmul would be rounded to it, so those dtypes run `attend` (fp32 accumulation)."""
-    if q.dtype != torch.float32:
+    half-precision matmul would be rounded to it, and K/V laid out [B, L, Hkv, D] (a fresh gather)
+    would be copied by matmul: those run `attend` (flash kernel: fp32 accumulation, any strides)."""
+    batch_mergeable = k.stride(0) == k.shape[1] * k.stride(1)  # else matmul would copy K/V first
+    if q.dtype != torch.float32 or not batch_mergeable:
         out, lse = attend(q, k, v, scale, mask)
         return out, lse if with_lse else None
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
