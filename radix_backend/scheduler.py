@@ -25,6 +25,7 @@ from .admission import PrefillAdder, StepBudget, needs_match_to_order, order_wai
 from .config import EngineConfig
 from .errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
 from .model_runner import ForwardInput, ModelRunner
+from .outputs import TokenLogprob
 from .radix_cache import RadixCache
 from .request import Req
 from .sampling import SamplerRow, add_logit_bias, sample, suppress_tokens, token_logprobs
@@ -340,7 +341,10 @@ class Scheduler:
             wants_sample = at_end and req.remaining_new_tokens > 0
             n_input = count - (1 if wants_sample or (at_end and req.return_next_logits) else 0)
             if n_input:
-                self._record_input_logprobs(req, logits[row:row + n_input], start)
+                try:
+                    self._record_input_logprobs(req, logits[row:row + n_input], start)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    req.error = exc
             row += n_input
             if at_end and req.return_next_logits:
                 req.next_logits = logits[row].clone()
@@ -368,7 +372,11 @@ class Scheduler:
             elif req.finished:
                 self._finish(req)
             elif req.output_ids and req.handle.stream:
-                chunk = req.take_stream_chunk()
+                try:
+                    chunk = req.take_stream_chunk()
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    self._finish(req, error=exc)
+                    continue
                 if chunk is not None:
                     req.handle.push_chunk(chunk)
 
@@ -379,40 +387,68 @@ class Scheduler:
         req.input_logprobs.extend(lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist())
 
     def _sample(self, items: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        """Sample the batch's rows together; if that raises, once more row by row from the same
+        logits and generator states, so only the request whose row fails fails (`req.error`), and
+        the others get exactly the tokens the batched call would have given them."""
         reqs = [r for r, _ in items]
         rows_idx = [i for _, i in items]
         raw = logits if rows_idx == list(range(logits.shape[0])) else logits[torch.tensor(rows_idx, device=logits.device)]
+        states = {i: r.generator.get_state() for i, r in enumerate(reqs) if r.generator is not None}
+        try:
+            picked = self._sample_rows(reqs, raw)
+        except Exception as exc:  # noqa: BLE001 - isolate the faulty request below
+            logger.warning("batched sampling failed (%s: %s); sampling its %d rows one by one",
+                           type(exc).__name__, exc, len(reqs))
+            picked = []
+            for i, req in enumerate(reqs):
+                if i in states:
+                    req.generator.set_state(states[i])
+                try:
+                    picked.extend(self._sample_rows([req], raw[i:i + 1]))
+                except Exception as row_exc:  # noqa: BLE001 - this request's fault only
+                    req.error = row_exc
+                    picked.append((None, None))
+        now = time.perf_counter()
+        for req, (tok, lp) in zip(reqs, picked):
+            if tok is not None:
+                self._take_token(req, tok, lp, now)
+        self.stats.generated_tokens += sum(tok is not None for tok, _ in picked)
+
+    def _sample_rows(self, reqs: list[Req], raw: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
+        """(token, logprob entry) per row of `raw`, which is left unchanged."""
         short = {i: r.stop_token_ids for i, r in enumerate(reqs) if r.below_min_tokens}
         biased = {i: r.params.logit_bias for i, r in enumerate(reqs) if r.params.logit_bias}
         modifies = short or biased or any(r.constraint is not None or r.params.has_penalties for r in reqs)
-        work = raw.clone() if modifies and any(r.params.logprobs for r in reqs) else raw
+        work = raw.clone() if modifies else raw
         add_logit_bias(work, biased)
         suppress_tokens(work, short)
         if any(r.constraint is not None for r in reqs):
             from . import constrained
 
             constrained.mask_logits(work, [r.constraint for r in reqs])
-        rows = [SamplerRow(r.params, r.output_ids, r.prompt_ids, r.generator) for r in reqs]
-        tokens = sample(work, rows)
+        tokens = sample(work, [SamplerRow(r.params, r.output_ids, r.prompt_ids, r.generator) for r in reqs])
+        lps: list[TokenLogprob | None] = [None] * len(reqs)
         if any(r.params.logprobs for r in reqs):
             lps = token_logprobs(raw, tokens, [r.params.top_logprobs for r in reqs])
-        now = time.perf_counter()
-        for i, (req, tok) in enumerate(zip(reqs, tokens)):
-            if not req.output_ids:
-                req.meta.first_token_time_s = now - req.submit_time
-            req.meta.decode_steps += 1
+        return list(zip(tokens, lps))
+
+    def _take_token(self, req: Req, tok: int, lp: TokenLogprob | None, now: float) -> None:
+        """Append a sampled token and run what follows it (grammar, detokenizing, stop checks); an
+        error in any of them fails this request only."""
+        if not req.output_ids:
+            req.meta.first_token_time_s = now - req.submit_time
+        req.meta.decode_steps += 1
+        try:
             if req.params.logprobs:
-                req.output_logprobs.append(lps[i])
+                req.output_logprobs.append(lp)
             req.append_token(tok)
             if req.constraint is not None:
                 from . import constrained
 
-                try:
-                    constrained.advance(req, tok, jump_forward=self.enable_jump_forward)
-                except Exception as exc:  # a grammar-engine error fails this request only
-                    req.error = exc
+                constrained.advance(req, tok, jump_forward=self.enable_jump_forward)
             self._detokenize(req)
-        self.stats.generated_tokens += len(tokens)
+        except Exception as exc:  # noqa: BLE001 - a grammar, tokenizer or stop-check error
+            req.error = exc
 
     def _detokenize(self, req: Req) -> None:
         req.detokenize(lambda ids: self.decode(ids, req.params.skip_special_tokens))
@@ -433,11 +469,15 @@ class Scheduler:
         if req.finish_reason == "abort":
             req.handle.fail(RequestAbortedError(f"request {req.rid} was aborted"))
             return
-        if req.handle.stream:
-            chunk = req.take_stream_chunk()
-            if chunk is not None:
-                req.handle.push_chunk(chunk)
-        req.handle.finish(req.build_output())
+        try:
+            chunk = req.take_stream_chunk() if req.handle.stream else None
+            output = req.build_output()
+        except Exception as exc:  # noqa: BLE001 - its slots are already released above
+            req.handle.fail(exc)
+            return
+        if chunk is not None:
+            req.handle.push_chunk(chunk)
+        req.handle.finish(output)
 
     # ---- maintenance (run on the scheduler thread via call()) -------------------------------
     def flush_cache(self) -> bool:
