@@ -213,3 +213,48 @@ def test_unknown_roles_are_400_and_tool_turns_reach_the_template(open_url: str, 
     assert json.loads(rendered[2]["content"]) == {"name": "get_weather", "arguments": {"city": "Paris"}}
     prompt = tiny_engine.apply_chat_template(rendered)
     assert "get_weather" in prompt and "sunny, 21C" in prompt
+
+
+# ---------------------------------------------------------------------------- lifecycle
+
+
+def _gauges(url: str) -> dict[str, float]:
+    info = httpx.get(url + "/get_server_info").json()
+    return {k: info[k] for k in ("num_requests_waiting", "num_requests_running")}
+
+
+def test_rejected_requests_leave_no_gauge_raised(open_url: str) -> None:
+    model = _model(open_url)
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    for stream in (False, True):
+        r = httpx.post(open_url + "/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "x"}], "stream": stream,
+            "response_format": bad_schema})
+        assert r.status_code == 400
+        r = httpx.post(open_url + "/generate", json={"text": "x", "stream": stream,
+                                                     "sampling_params": {"regex": "(unclosed", "max_new_tokens": 2}})
+        assert r.status_code == 400
+    assert _gauges(open_url) == {"num_requests_waiting": 0.0, "num_requests_running": 0.0}
+
+
+def test_a_client_that_drops_a_plain_request_is_an_abort(tiny_engine, caplog) -> None:
+    with ServerThread(create_app(tiny_engine)) as srv:
+        _drop_a_request(srv.url, tiny_engine, caplog)
+
+
+def _drop_a_request(open_url: str, tiny_engine, caplog) -> None:
+    body = {"model": _model(open_url), "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True}
+    with caplog.at_level("ERROR"):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(open_url + "/v1/completions", json=body, timeout=0.5)
+        for _ in range(200):  # the abort lands within a few scheduler steps
+            if tiny_engine.cache_stats().running_requests == 0 and _gauges(open_url)["num_requests_running"] == 0:
+                break
+            import time
+            time.sleep(0.05)
+    stats = tiny_engine.cache_stats()
+    assert stats.running_requests == 0 and stats.slots_used == stats.cached_slots  # the rest is in the tree
+    assert _gauges(open_url) == {"num_requests_waiting": 0.0, "num_requests_running": 0.0}
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], "no traceback for a client that left"
+    metrics = httpx.get(open_url + "/metrics").text
+    assert 'endpoint="/v1/completions",status="499"' in metrics

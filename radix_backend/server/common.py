@@ -32,6 +32,7 @@ from .protocol import (ChatCompletionRequest, ErrorInfo, ErrorResponse, PromptTo
 logger = logging.getLogger("radix_backend.server")  # the server's logger (the errors it logs are its own)
 
 DEFAULT_MODEL_PATH = "HuggingFaceTB/SmolLM2-135M-Instruct"
+CLIENT_CLOSED_REQUEST = 499
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -65,6 +66,8 @@ def error_response(exc: BaseException) -> JSONResponse:
         return error_json(400, str(exc))
     if isinstance(exc, EngineShutdownError):
         return error_json(503, str(exc), err_type="service_unavailable")
+    if isinstance(exc, ClientDisconnected):  # nobody reads it; 499 (nginx's "client closed") counts it apart
+        return error_json(CLIENT_CLOSED_REQUEST, str(exc), err_type="request_aborted", code="client_disconnected")
     if isinstance(exc, RequestAbortedError):
         return error_json(503, str(exc), err_type="request_aborted")
     logger.exception("internal error", exc_info=exc)
@@ -285,14 +288,19 @@ async def _cancel_on_disconnect(request: Request, awaitable: Awaitable[Any]) -> 
             pass
 
     watcher = asyncio.ensure_future(watch())
+    dropped = False
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
-            task.cancel()
         watcher.cancel()
-    if task.cancelled():
-        raise ClientDisconnected()
+        if not task.done():
+            dropped = True
+            task.cancel()
+            # let the cancellation land (it aborts the engine requests) before leaving; a cancelled
+            # gather() ends with a CancelledError *exception*, not as cancelled, so remember who did it
+            await asyncio.gather(task, return_exceptions=True)
+    if dropped:
+        raise ClientDisconnected("the client disconnected; its requests were aborted")
     return task.result()
 
 
@@ -404,14 +412,16 @@ def sse_event(payload: Any) -> str:
     return f"data: {body}\n\n"
 
 
-async def open_streams(state: ServerState, jobs: list[Job]) -> tuple[MergedStreams, tuple[int, StreamChunk] | None]:
+async def open_streams(state: ServerState, jobs: list[Job],
+                       tracker: RequestTracker) -> tuple[MergedStreams, tuple[int, StreamChunk] | None]:
     """Start the streams and wait for the first chunk, so submit-time errors (bad schema, prompt
-    too long) still become 4xx responses instead of a broken event stream."""
+    too long) still become 4xx responses instead of a broken event stream (and leave no gauge raised)."""
     streams = MergedStreams(state.engine, jobs)
     try:
         first = await streams.next()
     except BaseException:
         streams.close()
+        tracker.finish()
         raise
     return streams, first
 

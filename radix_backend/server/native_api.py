@@ -146,7 +146,7 @@ async def _stream_sglang(state: ServerState, jobs: list[Job], specs: list[_Logpr
     output_token_logprobs are cumulative, or only the new part with `incremental` (SGLang's
     --incremental-streaming-output); meta_info's counts (completion_tokens,
     output_token_logprobs_length) are always running totals."""
-    streams, first = await open_streams(state, jobs)
+    streams, first = await open_streams(state, jobs, tracker)
     finals: list[GenerateOutput | None] = [None] * len(jobs)
 
     async def events() -> AsyncGenerator[str, None]:

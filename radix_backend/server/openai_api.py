@@ -161,7 +161,7 @@ def _chat_logprobs(lps: list[TokenLogprob] | None, tok: TokenText) -> ChoiceLogp
 
 async def _stream_completion(state: ServerState, jobs: list[Job], model: str, req: CompletionRequest, echo: list[str],
                              tracker: RequestTracker) -> StreamingResponse:
-    streams, first = await open_streams(state, jobs)
+    streams, first = await open_streams(state, jobs, tracker)
     rid, created = new_id("cmpl"), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     finals: list[GenerateOutput | None] = [None] * len(jobs)
@@ -196,7 +196,7 @@ async def _stream_completion(state: ServerState, jobs: list[Job], model: str, re
 
 async def _stream_chat(state: ServerState, jobs: list[Job], model: str, req: ChatCompletionRequest,
                        tracker: RequestTracker) -> StreamingResponse:
-    streams, first = await open_streams(state, jobs)
+    streams, first = await open_streams(state, jobs, tracker)
     rid, created = new_id("chatcmpl"), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
