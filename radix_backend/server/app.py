@@ -41,7 +41,7 @@ from .guard import API_KEY_ENV, AccessGuard, ServerLimits, is_loopback, resolve_
 from .metrics import ServerMetrics
 from .native_api import add_native_routes
 from .openai_api import add_openai_routes
-from .protocol import ModelCard, ModelList
+from .protocol import ErrorResponse, ModelCard, ModelList
 from .router import POLICIES as ROUTER_POLICIES
 
 __all__ = ["DEFAULT_MODEL_PATH", "ClientDisconnected", "ModelNotFoundError", "ServerThread", "add_serve_args",
@@ -159,7 +159,9 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
                 "context_length": engine.context_length, "dp_size": len(getattr(engine, "replicas", [engine])),
                 "cache_stats": {k: v for k, v in vars(stats).items()}, **state.metrics.snapshot()}
 
-    @app.post("/flush_cache")  # changes state: POST only (a GET must be safe to prefetch or crawl)
+    @app.post("/flush_cache", response_class=PlainTextResponse,  # SGLang answers in plain text
+              responses={400: {"description": "requests are running", "content": {"text/plain": {}}}})
+    # changes state: POST only (a GET must be safe to prefetch or crawl)
     async def flush_cache() -> PlainTextResponse:
         ok = await asyncio.to_thread(engine.flush_cache)
         if ok:
@@ -173,7 +175,7 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
                           "does not exist here; join(mode='concate_and_append') works client-side by resending "
                           "the text (the radix cache reuses its prefix)", code="unsupported")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text exposition
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
@@ -181,7 +183,36 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
 
     add_openai_routes(app, state)
     add_native_routes(app, state)
+    _document_errors(app)
     return app
+
+
+def _document_errors(app: FastAPI) -> None:
+    """Make /openapi.json say what the server answers: validation errors are 400 (OpenAI's status,
+    not FastAPI's 422) and every other error status has OpenAI's error body (`default`)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = build()
+        error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(error.pop("$defs", {}))
+        components["ErrorResponse"] = error
+        body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path_item in schema.get("paths", {}).values():
+            for operation in path_item.values():
+                responses = operation.setdefault("responses", {})
+                if responses.pop("422", None) is not None or operation.get("requestBody"):
+                    responses.setdefault("400", {"description": "Invalid request", "content": body})
+                responses.setdefault("default", {"description": "Error (OpenAI's error body)", "content": body})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 # ============================================================================ running it
