@@ -54,13 +54,6 @@ class DecodeKVBuffer:
         self._layers: dict[int, _LayerBuffer] = {}
         self.rebuilds = 0  # forwards that gathered (observability and tests)
 
-    @classmethod
-    def one_off(cls, slots: torch.Tensor, lens: torch.Tensor) -> "DecodeKVBuffer":
-        """A plain gather for a forward that was not planned: no buffer is kept."""
-        buffer = cls(max_bytes=0)
-        buffer.plan(slots, lens)
-        return buffer
-
     def reset(self) -> None:
         """Forget everything: the next decode step gathers. Call on any non-decode forward."""
         self._slots = self._lens = None

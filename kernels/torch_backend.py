@@ -20,6 +20,10 @@ from .decode_kv import DecodeKVBuffer
 # Pad ragged requests into one batched product while the padded work is at most this many times
 # the real work; beyond it, one product per request is cheaper.
 MAX_PADDING_FACTOR = 2.0
+# Decode steps that gather at least this many keys (all rows, padding included) keep them in the
+# DecodeKVBuffer between steps; below it the ~10 extra small ops per layer cost more than the gather
+# they save (SmolLM2 batch-1 decode at 300 tokens: 22 -> 27 ms per step through the buffer).
+MIN_BUFFERED_KEYS = 4096
 # Longer extends run one request at a time: there the flash kernel's causal mode skips the masked
 # half, which an explicit padding mask cannot (1024-token prefill: 650 -> 444 ms of attention)
 MAX_PADDED_EXTEND = 32
@@ -49,13 +53,18 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan: _Plan | None = None
         self._plan_meta: AttentionMetadata | None = None
         self.decode_kv = DecodeKVBuffer()  # K/V of consecutive decode steps, kept between them
+        self.min_buffered_keys = MIN_BUFFERED_KEYS
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         self._plan, self._plan_meta = self._build_plan(meta), meta
-        if meta.is_decode:
+        if self._buffered(meta, self._plan):
             self.decode_kv.plan(self._plan.key_slots, self._plan.key_lens)
         else:
             self.decode_kv.reset()  # an extend may rewrite slots the buffer copied
+
+    def _buffered(self, meta: AttentionMetadata, plan: _Plan) -> bool:
+        """Decode steps that gather enough K/V for the buffer to pay for its extra small ops."""
+        return meta.is_decode and plan.key_slots.numel() >= self.min_buffered_keys
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
@@ -63,9 +72,8 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._plan if planned else self._build_plan(meta)
         tokens, hq, dim = q.shape
         hkv = k_cache.shape[1]
-        if meta.is_decode:
-            decode_kv = self.decode_kv if planned else DecodeKVBuffer.one_off(plan.key_slots, plan.key_lens)
-            out, lse = self._decode(q, k, v, k_cache, v_cache, plan, decode_kv, scale)
+        if planned and self._buffered(meta, plan):
+            out, lse = self._decode(q, k, v, k_cache, v_cache, plan, self.decode_kv, scale)
             if not plan.groups:
                 return out.view(tokens, hq, dim)
         elif not plan.groups:

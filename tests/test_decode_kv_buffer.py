@@ -16,6 +16,13 @@ from test_shared_prefix_attention import HKV, HQ, D, reference
 SCALE = 1 / math.sqrt(D)
 
 
+def buffered_backend() -> TorchAttentionBackend:
+    """The torch backend with the buffer used at any size (the engine's threshold skips small steps)."""
+    backend = TorchAttentionBackend()
+    backend.min_buffered_keys = 0
+    return backend
+
+
 class Pool:
     """A KV pool plus the slot list of each running request, driven one forward at a time."""
 
@@ -49,7 +56,7 @@ class Pool:
 
 
 def test_consecutive_decode_steps_append_and_stay_exact() -> None:
-    pool, backend = Pool(), TorchAttentionBackend()
+    pool, backend = Pool(), buffered_backend()
     requests = [pool.new_request(n) for n in (5, 40, 17)]  # ragged: padding columns are masked
     pool.forward(backend, requests, [len(r) for r in requests])
     for _ in range(6):
@@ -58,7 +65,7 @@ def test_consecutive_decode_steps_append_and_stay_exact() -> None:
 
 
 def test_buffer_grows_past_its_capacity() -> None:
-    pool, backend = Pool(), TorchAttentionBackend()
+    pool, backend = Pool(), buffered_backend()
     backend.decode_kv.growth = 2
     requests = [pool.new_request(n) for n in (3, 9)]
     for _ in range(7):
@@ -67,7 +74,7 @@ def test_buffer_grows_past_its_capacity() -> None:
 
 
 def test_a_finished_request_an_extend_or_a_retraction_rebuilds() -> None:
-    pool, backend = Pool(), TorchAttentionBackend()
+    pool, backend = Pool(), buffered_backend()
     requests = [pool.new_request(n) for n in (8, 12, 20)]
     pool.decode(backend, requests)
     pool.decode(backend, requests)
@@ -88,7 +95,7 @@ def test_a_finished_request_an_extend_or_a_retraction_rebuilds() -> None:
 
 
 def test_decode_with_a_shared_prefix_uses_the_buffer_for_the_remainders() -> None:
-    pool, backend = Pool(), TorchAttentionBackend()
+    pool, backend = Pool(), buffered_backend()
     shared = pool.new_request(48)
     requests = [pool.new_request(48 + n, shared) for n in (3, 7, 1, 12)]
     for _ in range(4):
@@ -97,7 +104,7 @@ def test_decode_with_a_shared_prefix_uses_the_buffer_for_the_remainders() -> Non
 
 
 def test_a_new_pool_tensor_is_never_read_from_old_copies() -> None:
-    pool, backend = Pool(), TorchAttentionBackend()
+    pool, backend = Pool(), buffered_backend()
     requests = [pool.new_request(n) for n in (9, 4)]
     pool.decode(backend, requests)
     pool.k_cache = pool.k_cache.clone().add_(0.5)  # same slots, other tensor, other values
@@ -106,9 +113,23 @@ def test_a_new_pool_tensor_is_never_read_from_old_copies() -> None:
 
 
 def test_over_the_byte_budget_layers_gather_every_step() -> None:
-    pool, backend = Pool(), TorchAttentionBackend()
+    pool, backend = Pool(), buffered_backend()
     backend.decode_kv = DecodeKVBuffer(max_bytes=0)
     requests = [pool.new_request(n) for n in (9, 4)]
     for _ in range(3):
         pool.decode(backend, requests)
     assert not backend.decode_kv._layers
+
+
+def test_small_decode_steps_skip_the_buffer() -> None:
+    """Below min_buffered_keys the step gathers as before (the buffer's small ops would cost more)."""
+    pool, backend = Pool(), TorchAttentionBackend()
+    backend.min_buffered_keys = 64
+    small = [pool.new_request(n) for n in (5, 9)]  # 2 x 10 padded keys: plain path
+    for _ in range(3):
+        pool.decode(backend, small)
+    assert backend.decode_kv.rebuilds == 0
+    big = [pool.new_request(n) for n in (40, 30)]  # 2 x 41 keys: buffered
+    for _ in range(3):
+        pool.decode(backend, big)
+    assert backend.decode_kv.rebuilds == 1
