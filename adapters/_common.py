@@ -1,4 +1,5 @@
-"""Pieces every adapter needs: engine resolution, sampling kwargs, usage, JSON schemas, tool calls.
+"""Pieces every adapter needs: engine resolution, sampling kwargs, usage, JSON schemas, and the
+tool-call pieces of radix_backend.tool_calls (re-exported: the adapters import them from here).
 
 Kept free of framework imports so each adapter only pulls in its own framework.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import uuid
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -17,6 +17,8 @@ from radix_backend.engine_like import EngineLike
 from radix_backend.errors import InvalidRequestError, MissingDependencyError
 from radix_backend.outputs import RequestMeta
 from radix_backend.sampling_params import SamplingParams
+from radix_backend.tool_calls import (TEXT_REPLY_KEY, TOOL_CALL_MIN_TOKENS, ParsedToolReply, ToolSpec, close_objects,
+                                      parse_tool_reply, tool_call_schema, tool_instructions, with_system_text)
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Names frameworks use for the same knob.
@@ -83,21 +85,6 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
-def close_objects(schema: Any) -> Any:
-    """Copy of `schema` where object schemas that list `properties` but say nothing about extra
-    keys get `additionalProperties: false`. Pydantic and TypedDict schemas (and tool arguments)
-    mean exactly their fields; left open, a small model can keep inventing keys until max_tokens."""
-    if isinstance(schema, list):
-        return [close_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: close_objects(v) for k, v in schema.items()}
-    if "properties" in out and isinstance(out["properties"], dict) and "additionalProperties" not in out \
-            and out.get("type", "object") == "object":
-        out["additionalProperties"] = False
-    return out
-
-
 def to_json_schema(schema: Any) -> tuple[dict[str, Any], str]:
     """(JSON schema, name) of a pydantic class, a TypedDict, a JSON schema dict or an OpenAI tool dict."""
     if isinstance(schema, str):
@@ -148,90 +135,6 @@ def parse_structured(schema: Any, text: str) -> Any:
     return json.loads(text)
 
 
-@dataclass
-class ToolSpec:
-    name: str
-    description: str
-    parameters: dict[str, Any]
-
-
-TEXT_REPLY_KEY = "response"
-TOOL_CALL_MIN_TOKENS = 256  # the constrained JSON of a tool call with its arguments, with room to spare
-
-
-def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
-    """`messages` with `text` appended to the system message (one is added first when there is none)."""
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def tool_call_schema(tools: list[ToolSpec], *, allow_text: bool, parallel: bool = False) -> dict[str, Any]:
-    """JSON schema whose instances are exactly the allowed replies: one call of any tool
-    ({"name": <tool>, "arguments": {...}}), or, with allow_text, {"response": "<text>"}.
-
-    `$defs` of the tools' argument schemas are hoisted to the root so `#/$defs/...` refs resolve.
-    """
-    defs: dict[str, Any] = {}
-    options: list[dict[str, Any]] = []
-    for tool in tools:
-        params = close_objects(dict(tool.parameters or {"type": "object", "properties": {}}))
-        for key in ("$defs", "definitions"):
-            for def_name, def_schema in (params.pop(key, None) or {}).items():
-                if def_name in defs and defs[def_name] != def_schema:
-                    raise InvalidRequestError(f"tools define conflicting schemas named {def_name!r}; rename one")
-                defs[def_name] = def_schema
-        params.pop("title", None)
-        options.append({"type": "object", "properties": {"name": {"const": tool.name}, "arguments": params},
-                        "required": ["name", "arguments"], "additionalProperties": False})
-    if allow_text:
-        options.append({"type": "object", "properties": {TEXT_REPLY_KEY: {"type": "string"}},
-                        "required": [TEXT_REPLY_KEY], "additionalProperties": False})
-    call: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1} if parallel else dict(call)
-    if defs:
-        schema["$defs"] = defs
-    return schema
-
-
-def tool_instructions(tools: list[ToolSpec], *, allow_text: bool) -> str:
-    """System text telling the model which tools exist and what a reply looks like."""
-    listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})
-                        for t in tools)
-    text = ("You can call these tools:\n" + listing +
-            '\nTo call a tool, reply with JSON: {"name": <tool name>, "arguments": <arguments object>}.')
-    if allow_text:
-        text += f'\nTo answer without a tool, reply with JSON: {{"{TEXT_REPLY_KEY}": <your answer>}}.'
-    return text
-
-
-@dataclass
-class ParsedToolReply:
-    text: str  # answer text when the model chose not to call a tool
-    calls: list[dict[str, Any]]  # [{"name", "args", "id"}]
-
-
-def parse_tool_reply(raw: str) -> ParsedToolReply:
-    """Split a constrained tool-call reply into plain text or tool calls."""
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:  # only when generation hit max_new_tokens mid-object
-        raise InvalidRequestError(
-            f"tool-call reply is not complete JSON (raise max_tokens?): {raw[:200]!r}") from exc
-    items = data if isinstance(data, list) else [data]
-    text_parts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for item in items:
-        if isinstance(item, dict) and TEXT_REPLY_KEY in item and "name" not in item:
-            text_parts.append(str(item[TEXT_REPLY_KEY]))
-        elif isinstance(item, dict) and "name" in item:
-            calls.append({"name": item["name"], "args": item.get("arguments") or {},
-                          "id": f"call_{uuid.uuid4().hex[:24]}"})
-        else:
-            raise InvalidRequestError(f"unexpected tool-call reply item: {item!r}")
-    return ParsedToolReply(text="\n".join(text_parts), calls=calls)
-
-
 def message_text(content: Any) -> str:
     """Text of a message content that may be a string or a list of content blocks."""
     if isinstance(content, str):
@@ -249,3 +152,8 @@ def message_text(content: Any) -> str:
     if content is None:
         return ""
     raise InvalidRequestError(f"unsupported message content {type(content).__name__}")
+
+
+__all__ = ["TEXT_REPLY_KEY", "TOOL_CALL_MIN_TOKENS", "ParsedToolReply", "ToolSpec", "Usage", "close_objects", "message_text",
+           "parse_structured", "parse_tool_reply", "require", "resolve_engine", "sampling_params", "schema_instructions",
+           "to_json_schema", "tool_call_schema", "tool_instructions", "with_system_text"]
