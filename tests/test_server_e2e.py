@@ -182,3 +182,16 @@ def test_native_generate_and_metrics(engine, server) -> None:
     hit = next(ln for ln in metrics.splitlines() if ln.startswith("radix_backend_cache_hit_rate "))
     assert float(hit.split()[-1]) > 0
     assert "radix_backend_queue_length" in metrics and "radix_backend_kv_usage" in metrics
+
+
+def test_openai_tool_calling_on_smollm2(server, model) -> None:
+    """OpenAI `tools` on the real model: the call parses and validates (constrained decoding)."""
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                         tools=[tool], tool_choice="required", temperature=0)
+    call = out.choices[0].message.tool_calls[0]
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)

@@ -16,9 +16,11 @@ from fastapi.responses import StreamingResponse
 from ..errors import InvalidRequestError
 from ..outputs import GenerateOutput, TokenLogprob
 from ..sampling_params import SamplingParams
+from ..tool_calls import with_system_text
 from .common import (chunk_as_output, iterate_streams, Job, open_streams, run_jobs, ServerState, sse_event, sse_response,
                             TokenText, usage_info)
 from .metrics import RequestTracker
+from .tools import tool_plan, tool_reply
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                               ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatMessage, ChoiceLogprobs,
                               CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
@@ -61,24 +63,32 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatCompletionRequest) -> Any:
         model = state.check_model(req.model)
-        if req.tools:
-            raise InvalidRequestError("tools are not supported by this server")
-        inputs = {"messages": state.chat_messages(req)}
+        tools = tool_plan(req)
+        messages = state.chat_messages(req)
+        if tools is not None:
+            if req.response_format is not None and req.response_format.type != "text" or req.json_schema is not None:
+                raise InvalidRequestError("tools cannot be combined with response_format / json_schema")
+            messages = with_system_text(messages, tools.instructions)
+        inputs = {"messages": messages}
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true")
-        params = _openai_params(req, state.max_new_tokens(requested, inputs), logprobs=req.logprobs, top_logprobs=top)
+        params = _openai_params(req, state.max_new_tokens(requested, inputs), logprobs=req.logprobs, top_logprobs=top,
+                                json_schema=tools.schema if tools is not None else None)
         jobs = state.expand([inputs], [params], req.n)
         tracker = state.metrics.track("/v1/chat/completions")
         if req.stream:
-            return await _stream_chat(state, jobs, model, req, tracker)
+            return await _stream_chat(state, jobs, model, req, tracker, with_tools=tools is not None)
         outs = await run_jobs(request, engine, jobs, tracker)
-        choices = [ChatCompletionChoice(index=i, message=ChatMessage(content=out.text),
-                                        finish_reason=_openai_finish(out.finish_reason),
-                                        matched_stop=out.meta.matched_stop,
-                                        logprobs=_chat_logprobs(out.logprobs, state.tok) if req.logprobs else None)
-                   for i, out in enumerate(outs)]
+        choices = []
+        for i, out in enumerate(outs):
+            message, finish = ChatMessage(content=out.text), _openai_finish(out.finish_reason)
+            if tools is not None:
+                message, finish = tool_reply(out.text, finish)
+            choices.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
+                                                matched_stop=out.meta.matched_stop,
+                                                logprobs=_chat_logprobs(out.logprobs, state.tok) if req.logprobs else None))
         return ChatCompletionResponse(model=model, choices=choices, usage=usage_info(outs, [j.group for j in jobs]))
 
 
@@ -99,8 +109,8 @@ def _response_format_schema(req: ChatCompletionRequest | CompletionRequest) -> A
 
 
 def _openai_params(req: ChatCompletionRequest | CompletionRequest, max_new_tokens: int, *, logprobs: bool,
-                   top_logprobs: int) -> SamplingParams:
-    schema = _response_format_schema(req)
+                   top_logprobs: int, json_schema: Any = None) -> SamplingParams:
+    schema = json_schema if json_schema is not None else _response_format_schema(req)
     if schema is not None and req.json_schema is not None:
         raise InvalidRequestError("set either response_format or json_schema, not both")
     params = SamplingParams(
@@ -195,7 +205,9 @@ async def _stream_completion(state: ServerState, jobs: list[Job], model: str, re
 
 
 async def _stream_chat(state: ServerState, jobs: list[Job], model: str, req: ChatCompletionRequest,
-                       tracker: RequestTracker) -> StreamingResponse:
+                       tracker: RequestTracker, with_tools: bool = False) -> StreamingResponse:
+    """Chat chunks as they come; with tools, a choice's text is held back until it finishes and then
+    sent as one delta of tool_calls (or of content, when the model answered in text)."""
     streams, first = await open_streams(state, jobs, tracker)
     rid, created = new_id("chatcmpl"), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -216,12 +228,16 @@ async def _stream_chat(state: ServerState, jobs: list[Job], model: str, req: Cha
             texts[i] += chunk.text
             ids[i] += chunk.token_ids
             lps = _chat_logprobs(chunk.logprobs, state.tok) if req.logprobs else None
-            if chunk.text:
+            if chunk.text and not with_tools:
                 yield event(i, DeltaMessage(content=chunk.text), logprobs=lps)
                 lps = None
             if chunk.finish_reason is not None:  # a textless last token (EOS) keeps its logprob, as unstreamed
                 finals[i] = chunk_as_output(chunk, texts[i], ids[i])
-                yield event(i, DeltaMessage(), finish=_openai_finish(chunk.finish_reason), logprobs=lps)
+                finish = _openai_finish(chunk.finish_reason)
+                if with_tools:
+                    message, finish = tool_reply(texts[i], finish)
+                    yield event(i, DeltaMessage(content=message.content, tool_calls=message.tool_calls))
+                yield event(i, DeltaMessage(), finish=finish, logprobs=lps)
         if include_usage:
             yield sse_event(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
                                                     usage=usage_info(finals, [j.group for j in jobs])))

@@ -149,6 +149,20 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "required" | "none" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # None: one call per reply (small models keep to one)
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    index: int | None = None  # position in the reply's calls (streamed deltas need it)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
 
 
 class TopLogprob(BaseModel):
@@ -171,6 +185,7 @@ class ChoiceLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -193,6 +208,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
