@@ -50,15 +50,20 @@ def alone(tiny_engine) -> list[list[int]]:
     return _run_alone(tiny_engine)
 
 
-def test_a_sampler_that_raises_for_one_row(tiny_engine, alone, monkeypatch) -> None:
+def poison_sampler(monkeypatch, seed: int = POISON) -> None:
+    """Make the scheduler's sampler raise `Poisoned` for any batch holding a row whose seed is `seed`."""
     real = scheduler.sample
 
     def faulty(logits, rows):
-        if any(r.params.seed == POISON for r in rows):
-            raise Poisoned("sampler fault")
+        if any(r.params.seed == seed for r in rows):
+            raise Poisoned("injected sampler fault")
         return real(logits, rows)
 
     monkeypatch.setattr(scheduler, "sample", faulty)
+
+
+def test_a_sampler_that_raises_for_one_row(tiny_engine, alone, monkeypatch) -> None:
+    poison_sampler(monkeypatch)
     tiny_engine.flush_cache()
     assert _run_with_poisoned(tiny_engine, _params(seed=POISON)) == alone
     _assert_no_leak(tiny_engine)

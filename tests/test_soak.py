@@ -11,16 +11,13 @@ import time
 import pytest
 
 from radix_backend import Engine, SamplingParams
-from radix_backend import scheduler as scheduler_module
 from radix_backend.errors import InvalidRequestError, RequestAbortedError
+
+from test_fault_isolation import Poisoned, poison_sampler
 
 REQUESTS = 500
 POISON = 424_242
 WORDS = "the a radix tree keeps every prefix cached so later calls reuse it and run fast".split()
-
-
-class Poisoned(RuntimeError):
-    pass
 
 
 def _prompt(rng: random.Random) -> str:
@@ -54,14 +51,7 @@ def test_soak_mixed_aborted_and_poisoned(small_engine, monkeypatch, capsys) -> N
     assert small_engine.flush_cache()
     retractions_before = small_engine.cache_stats().retractions
 
-    real_sample = scheduler_module.sample
-
-    def faulty(logits, rows):
-        if any(r.params.seed == POISON for r in rows):
-            raise Poisoned("injected sampler fault")
-        return real_sample(logits, rows)
-
-    monkeypatch.setattr(scheduler_module, "sample", faulty)
+    poison_sampler(monkeypatch, POISON)
     start = time.perf_counter()
     handles = []
     for kind, prompt, params in plan:
