@@ -195,3 +195,17 @@ def test_openai_tool_calling_on_smollm2(server, model) -> None:
     call = out.choices[0].message.tool_calls[0]
     assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+
+def test_langchain_chat_openai_tool_call_on_smollm2(server, model) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        return "sunny"
+
+    llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=model, temperature=0,
+                                      max_retries=0)
+    message = llm.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(message.tool_calls[0]["args"]["city"], str)

@@ -103,3 +103,23 @@ def test_a_call_and_its_result_replay_in_the_next_turn(client) -> None:
 def test_bad_tool_requests_are_400(client, kwargs, needle) -> None:
     with pytest.raises(openai.BadRequestError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         client.chat.completions.create(model=_model(client), messages=ASK, max_tokens=5, **kwargs)
+
+
+def test_langchain_chat_openai_bind_tools_against_the_server(tiny_engine) -> None:
+    """A LangChain app that talks to OpenAI swaps in our URL: ChatOpenAI.bind_tools gets tool calls."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    with ServerThread(create_app(tiny_engine)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        llm = langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="none", model=_model(client),
+                                          temperature=0, max_tokens=200, max_retries=0)
+        # the OpenAI tool dict bounds the city's length: the random-weight model would not stop otherwise
+        message = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+        assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather"
+        assert set(message.tool_calls[0]["args"]) == {"city", "unit"}
+        streamed = None
+        for chunk in llm.bind_tools([WEATHER], tool_choice="required").stream("Weather in Rome?"):
+            streamed = chunk if streamed is None else streamed + chunk
+        assert streamed.tool_calls and streamed.tool_calls[0]["name"] == "get_weather"
+        plain = llm.invoke("Say hi")
+        assert isinstance(plain.content, str) and plain.usage_metadata["output_tokens"] >= 1
