@@ -51,7 +51,7 @@ class DecodeKVBuffer:
         self._lens: torch.Tensor | None = None  # [B] valid keys per row
         self._append = False  # this step only adds column lens-1 to last step's buffers
         self._capacity = 0  # columns of the buffers (allocated at a rebuild)
-        self._layers: dict[int, _LayerBuffer] = {}
+        self._layers: dict[int, _LayerKV] = {}
         self.rebuilds = 0  # forwards that gathered (observability and tests)
 
     def reset(self) -> None:
