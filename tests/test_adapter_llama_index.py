@@ -235,6 +235,62 @@ def test_real_function_agent_runs_to_completion_with_a_python_tool(engine: Any) 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_real_agent_workflow_runs_to_completion(engine: Any) -> None:
+    """LlamaIndex's AgentWorkflow (the multi-agent runner) with a FunctionAgent as its root runs to
+    completion on SmolLM2; every tool call it made had schema-valid arguments."""
+    from llama_index.core.agent.workflow import AgentWorkflow, FunctionAgent
+
+    calls: list[tuple[Any, Any]] = []
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    llm = RadixLlamaIndexLLM(engine=engine, max_new_tokens=64)
+    adder = FunctionAgent(name="adder", description="Adds numbers with its tool.", tools=[add], llm=llm,
+                          system_prompt="Use the add tool to add numbers.", early_stopping_method="generate")
+    # as with FunctionAgent alone, the 135M model may keep calling the tool: end with a generated answer
+    workflow = AgentWorkflow(agents=[adder], root_agent="adder", early_stopping_method="generate")
+
+    async def run() -> Any:
+        return await workflow.run(user_msg="What is 2 plus 3? Call add.", max_iterations=4)
+
+    result = asyncio.run(run())
+    assert str(result)  # the workflow finished with a final answer
+    assert calls and all(isinstance(a, int) and isinstance(b, int) for a, b in calls)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_real_react_agent_runs_on_the_adapter(engine: Any) -> None:
+    """ReActAgent drives the model through plain chat (Thought / Action / Observation text that
+    LlamaIndex parses, no function calling). Our part: every step's prompt reaches the engine and its
+    reply comes back; whether the 135M model writes a parseable Action is its own ability."""
+    from llama_index.core.agent.workflow import ReActAgent
+
+    llm = RadixLlamaIndexLLM(engine=engine, max_new_tokens=96)
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    agent = ReActAgent(tools=[multiply], llm=llm, early_stopping_method="generate")
+
+    async def run() -> Any:
+        return await agent.run(user_msg="What is 6 times 7?", max_iterations=4)
+
+    before = engine.cache_stats().generated_tokens
+    try:
+        result = asyncio.run(run())
+    except Exception as exc:  # noqa: BLE001 - the model's text did not parse as ReAct
+        assert engine.cache_stats().generated_tokens > before, f"the agent never reached the engine: {exc!r}"
+        pytest.xfail(f"SmolLM2-135M did not follow the ReAct format ({type(exc).__name__}: {exc})"[:300])
+    assert engine.cache_stats().generated_tokens > before and str(result)
+
+
+@pytest.mark.slow
 def test_real_condense_plus_context_chat_engine(engine: Any, index: Any) -> None:
     """LlamaIndex's condense_plus_context chat engine: a follow-up is condensed with the history,
     retrieval adds context, and the second turn reuses the first turn's prompt from the cache."""
