@@ -73,7 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
         tokens, hq, dim = q.shape
         hkv = k_cache.shape[1]
         if planned and self._buffered(meta, plan):
-            out, lse = self._decode(q, k, v, k_cache, v_cache, plan, self.decode_kv, scale)
+            out, lse = self._decode(q, k, v, k_cache, v_cache, plan, scale)
             if not plan.groups:
                 return out.view(tokens, hq, dim)
         elif not plan.groups:
@@ -146,10 +146,9 @@ class TorchAttentionBackend(AttentionBackend):
         plan.mask = mask.masked_fill_(~visible, float("-inf"))[:, None]  # [B, 1, Emax, Lmax]
 
     # ---- the remainder of each request ----------------------------------------------------------
-    @staticmethod
-    def _decode(q, k, v, k_cache, v_cache, plan: _Plan, decode_kv: DecodeKVBuffer, scale: float):
+    def _decode(self, q, k, v, k_cache, v_cache, plan: _Plan, scale: float):
         """One new token per request: (out, lse) [B, Hkv, G, D|1] over each request's remainder."""
-        keys, values = decode_kv.read(k_cache, v_cache, k, v)
+        keys, values = self.decode_kv.read(k_cache, v_cache, k, v)
         bsz, hkv = keys.shape[:2]
         grouped = q.view(bsz, hkv, q.shape[1] // hkv, q.shape[2])
         return sp.attend_decode(grouped, keys.to(q.dtype), values.to(q.dtype), scale, plan.mask.to(q.dtype),
