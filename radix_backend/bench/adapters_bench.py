@@ -10,8 +10,11 @@ plain Hugging Face transformers, side by side in one process, on the same fp32 w
 - guidance: programs (select, regex gen, stop gen) alternating between two long documents. Ours
   keeps both in the radix tree; guidance's transformers backend keeps one cached sequence.
 
-Everything is greedy, so `agreement` reports how many outputs match between the two sides.
-Run: `python -m radix_backend.bench.adapters_bench [--quick]`.
+Everything is greedy, so `agreement` reports how many outputs match between the two sides. The
+baselines always run transformers in fp32 (a GGUF is dequantized, as transformers loads it); ours
+runs the engine's default weights (int4 on a 4-bit GGUF) unless `--quantization none` asks for the
+same fp32 weights, in which case outputs agree token for token.
+Run: `python -m radix_backend.bench.adapters_bench [--quick] [--quantization none]`.
 """
 
 from __future__ import annotations
@@ -172,14 +175,15 @@ def bench_guidance(engine: Any, hf_model: Any, programs: int) -> dict[str, Any]:
         "cached_tokens": after.cached_tokens - before.cached_tokens})
 
 
-def run(model: str | None = None, *, quick: bool = False, engine: Any = None,
+def run(model: str | None = None, *, quick: bool = False, engine: Any = None, quantization: str | None = None,
         workloads: tuple[str, ...] = ("langchain-batch", "langchain-chat", "guidance")) -> dict[str, Any]:
-    """Run the chosen workloads on our adapters and on the HF baselines; returns one dict per workload."""
+    """Run the chosen workloads on our adapters and on the HF baselines; returns one dict per workload
+    (each also says which weights ours ran: `weights`)."""
     from transformers import AutoModelForCausalLM
 
-    from ..engine import get_engine
+    from ..engine import Engine
 
-    engine = engine or get_engine(model)
+    engine = engine or Engine(model, quantization=quantization)
     hf_model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
     max_new = 8 if quick else 16
     baseline = hf_chat_model(hf_model, engine.tokenizer, max_new)
@@ -192,14 +196,19 @@ def run(model: str | None = None, *, quick: bool = False, engine: Any = None,
                                                          turns=2 if quick else 4, max_new_tokens=max_new)
     if "guidance" in workloads:
         results["guidance"] = bench_guidance(engine, hf_model, programs=4 if quick else 8)
+    weights = engine.runner.quantization.mode
+    for r in results.values():
+        r["weights"] = weights
     return results
 
 
 def format_results(results: dict[str, Any]) -> str:
-    lines = [f"{'workload':<17}{'radix s':>9}{'HF s':>9}{'speedup':>9}{'cached/prompt tok':>20}{'agree':>8}"]
+    lines = [f"{'workload':<17}{'radix s':>9}{'HF s':>9}{'speedup':>9}{'cached/prompt tok':>20}{'agree':>8}"
+             f"{'our weights':>13}"]
     for r in results.values():
         lines.append(f"{r['workload']:<17}{r['radix_s']:>9.2f}{r['hf_s']:>9.2f}{r['speedup']:>8.2f}x"
-                     f"{str(r['cached_tokens']) + '/' + str(r['prompt_tokens']):>20}{r['agreement']:>8}")
+                     f"{str(r['cached_tokens']) + '/' + str(r['prompt_tokens']):>20}{r['agreement']:>8}"
+                     f"{r.get('weights', '?'):>13}")
     return "\n".join(lines)
 
 
@@ -207,9 +216,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument("--quantization", default=None,
+                        help="our engine's weights: none (fp32, the baselines' weights), int4, int8 or auto "
+                             "(default: the engine's default, int4 on a 4-bit GGUF)")
+    parser.add_argument("--workloads", default="langchain-batch,langchain-chat,guidance",
+                        help="comma-separated subset of langchain-batch, langchain-chat, guidance")
     parser.add_argument("--json", action="store_true", help="print the result dict as JSON")
     args = parser.parse_args(argv)
-    results = run(args.model, quick=args.quick)
+    results = run(args.model, quick=args.quick, quantization=args.quantization,
+                  workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()))
     print(json.dumps(results, indent=2) if args.json else format_results(results))
 
 
