@@ -51,6 +51,12 @@ class EngineConfig:
     seed: int = _knob(0, "seed of sampled requests that give none")
     tp_size: int = _knob(1, "tensor-parallel ranks (one process each)")
     cuda_graph: bool | None = _knob(None, "capture decode steps in CUDA graphs (default: with triton on CUDA)")
+    disk_cache_dir: str | None = _knob(
+        None, "directory of the persistent KV tier: KV evicted or written through goes there and is loaded back "
+        "instead of recomputed, across restarts (off when unset)")
+    disk_cache_bytes: int = _knob(8 << 30, "size cap of the disk KV tier in bytes (least recently used files go first)")
+    disk_cache_write_through_tokens: int = _knob(
+        256, "sequences at least this long are written to the disk tier as soon as cached; shorter ones on eviction")
     debug_slots: bool = _knob(False, "check every KV slot free/alloc (slow; for tests)", cli=False)
 
     def __post_init__(self) -> None:
@@ -60,11 +66,14 @@ class EngineConfig:
             if choices and value is not None and value not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
         for name, low in (("page_size", 1), ("max_running_requests", 1), ("chunked_prefill_tokens", 1),
-                          ("tp_size", 1), ("kv_cache_tokens", 16)):
+                          ("tp_size", 1), ("kv_cache_tokens", 16), ("disk_cache_bytes", 1),
+                          ("disk_cache_write_through_tokens", 1)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 wanted = "a positive int" if low == 1 else f"an int >= {low}"
                 raise ValueError(f"{name} must be {wanted}, got {value!r}")
+        if self.disk_cache_dir is not None and (self.disable_radix_cache or self.tp_size > 1):
+            raise ValueError("disk_cache_dir needs the radix cache and one process (tp_size 1)")
         if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction!r}")
 

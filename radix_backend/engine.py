@@ -45,6 +45,10 @@ class CacheStats:
     retractions: int = 0
     forward_steps: int = 0
     generated_tokens: int = 0
+    disk_hit_tokens: int = 0  # prompt tokens whose KV was loaded from the disk tier (counted in cached_tokens too)
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_load_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -318,17 +322,21 @@ class Engine:
         def collect() -> CacheStats:
             s, tree, alloc = self.scheduler.stats, self.scheduler.tree, self.scheduler.allocator
             cached_slots = tree.total_size()
+            disk = self.scheduler.disk.store.stats if self.scheduler.disk is not None else None
             return CacheStats(
                 prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
                 hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 nodes=tree.num_nodes(), evictions=tree.evicted_tokens_total, slots_total=alloc.num_total,
                 slots_used=alloc.num_total - alloc.num_free, slots_free=alloc.num_free, cached_slots=cached_slots,
                 running_requests=len(self.scheduler.running), waiting_requests=len(self.scheduler.waiting),
-                retractions=s.retractions, forward_steps=s.forward_steps, generated_tokens=s.generated_tokens)
+                retractions=s.retractions, forward_steps=s.forward_steps, generated_tokens=s.generated_tokens,
+                **({} if disk is None else dict(disk_hit_tokens=disk.hit_tokens, disk_bytes_read=disk.bytes_read,
+                                                disk_bytes_written=disk.bytes_written, disk_load_s=disk.load_s)))
         return self.scheduler.call(collect)  # type: ignore[return-value]
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; False (and nothing dropped) while requests are in flight."""
+        """Drop every cached prefix in memory; False (and nothing dropped) while requests are in flight.
+        The disk tier keeps its files (delete its directory to empty it)."""
         return bool(self.scheduler.call(self.scheduler.flush_cache))
 
     @property

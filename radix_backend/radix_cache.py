@@ -16,7 +16,8 @@ Not thread-safe on purpose: only the scheduler thread calls it, so no locks are 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import count
 
@@ -26,6 +27,7 @@ from .errors import InvalidRequestError
 from .kv_pool import SlotAccountingError, SlotAllocator
 
 _node_ids = count()
+logger = logging.getLogger(__name__)
 
 
 class TreeNode:
@@ -100,6 +102,8 @@ class RadixCache:
         self.page_size = page_size
         self.disable = disable
         self.evicted_tokens_total = 0
+        # called with each node about to be evicted, its ancestors still in place (the disk tier's write-back)
+        self.evict_listener: Callable[[TreeNode], None] | None = None
         self._init_tree()
 
     # --- state ------------------------------------------------------------------------------
@@ -195,6 +199,16 @@ class RadixCache:
             self._add_leaf(node, key[pos:], slots[pos:len(key)].to(device=self.allocator.device, dtype=torch.int64).clone(), now)
         return pos
 
+    def path(self, node: TreeNode) -> tuple[list[int], torch.Tensor]:
+        """Tokens and KV slots from the root down to `node`, inclusive."""
+        keys, values = [], []
+        while node is not self.root:
+            keys.append(node.key)
+            values.append(node.value)
+            node = node.parent
+        tokens = [t for key in reversed(keys) for t in key]
+        return tokens, torch.cat(values[::-1]) if values else self._empty()
+
     # --- locking ----------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock `node` and its ancestors (a running request uses that prefix). Returns the change
@@ -240,6 +254,11 @@ class RadixCache:
         evicted, freed = 0, []
         while evicted < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
+            if self.evict_listener is not None:
+                try:
+                    self.evict_listener(node)
+                except Exception:  # noqa: BLE001 - a failed write-back must not stop eviction
+                    logger.exception("evict listener failed; evicting node %s anyway", node.id)
             freed.append(node.value)
             evicted += len(node.key)
             parent = node.parent

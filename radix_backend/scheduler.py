@@ -26,6 +26,7 @@ from .config import EngineConfig
 from .errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
 from .model_runner import ForwardInput, ModelRunner
 from .outputs import TokenLogprob
+from .disk_tier import DiskTier, open_disk_tier
 from .radix_cache import RadixCache
 from .request import Req
 from .sampling import SamplerRow, add_logit_bias, sample, suppress_tokens, token_logprobs
@@ -67,6 +68,9 @@ class Scheduler:
         self.enable_jump_forward = config.enable_jump_forward
         self.allocator = runner.kv_pool.make_allocator(debug=config.debug_slots)
         self.tree = RadixCache(self.allocator, page_size=config.page_size, disable=config.disable_radix_cache)
+        self.disk: DiskTier | None = None
+        if config.disk_cache_dir:
+            self.disk = open_disk_tier(config, runner, self.tree, self._alloc_slots)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
@@ -111,6 +115,8 @@ class Scheduler:
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout=30)
+        if self.disk is not None:
+            self.disk.store.close()  # queued block writes land before the process may exit
 
     # ---- loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -252,17 +258,23 @@ class Scheduler:
     def _alloc(self, req: Req, n: int) -> torch.Tensor | None:
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        last = int(req.slots[-1]) if req.kv_len else None
-        slots = self.allocator.alloc_extend(last, req.kv_len, n)
+        return self._alloc_slots(int(req.slots[-1]) if req.kv_len else None, req.kv_len, n)
+
+    def _alloc_slots(self, last_slot: int | None, cur_len: int, n: int) -> torch.Tensor | None:
+        """`n` slots continuing a sequence of `cur_len` tokens, evicting from the tree if needed."""
+        slots = self.allocator.alloc_extend(last_slot, cur_len, n)
         if slots is None:
-            need = self.allocator.pages_needed(req.kv_len, n) * self.page_size
+            need = self.allocator.pages_needed(cur_len, n) * self.page_size
             self.tree.evict(max(need - self.allocator.num_free, 0))
-            slots = self.allocator.alloc_extend(last, req.kv_len, n)
+            slots = self.allocator.alloc_extend(last_slot, cur_len, n)
         return slots
 
     def _match(self, req: Req) -> None:
-        """Match the request's tokens against the tree and lock the matched path."""
-        m = self.tree.match_prefix(req.fill_ids[:req.max_prefix_len])
+        """Match the request's tokens against the tree (then the disk tier) and lock the matched path."""
+        tokens = req.fill_ids[:req.max_prefix_len]
+        m = self.tree.match_prefix(tokens)
+        if self.disk is not None:
+            m = self.disk.extend_match(tokens, m)
         self.tree.inc_lock_ref(m.last_node)
         req.last_node = m.last_node
         req.slots = m.slots.to(torch.int64)
@@ -281,6 +293,8 @@ class Scheduler:
         """Hand the request's computed KV to the tree (RadixCache.cache_finished / cache_unfinished
         say which slots are freed, inserted or kept)."""
         tokens = req.fill_ids[:req.kv_len]
+        if self.disk is not None:
+            self.disk.on_cached(tokens, req.slots)
         if finished:
             self.tree.cache_finished(tokens, req.slots, req.cached_len, req.last_node)
             req.last_node = None
