@@ -15,6 +15,7 @@ EXTERNAL_BENCHES = {  # bench name -> module with main(argv)
     "server": "radix_backend.bench.server_bench",
     "gpu-check": "radix_backend.bench.gpu_check",
     "peers": "radix_backend.bench.peers",
+    "restart": "radix_backend.bench.restart_bench",
 }
 CORE_BENCHES = ("few-shot", "multi-turn", "branching", "floor")
 
@@ -40,9 +41,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import default_disk_cache_dir, run_demo
 
-    run_demo(model=args.model, device=args.device, kv_cache_tokens=args.kv_cache_tokens)
+    disk = None if args.no_disk_cache else (args.disk_cache_dir or default_disk_cache_dir())
+    run_demo(model=args.model, device=args.device, kv_cache_tokens=args.kv_cache_tokens, disk_cache_dir=disk)
     return 0
 
 
@@ -81,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="few-shot + multi-turn + fork workload and framework adapters on one shared cache")
     _add_engine_args(d)
+    d.add_argument("--disk-cache-dir", default=None, help="the disk KV tier's directory (default: <user cache>/kv)")
+    d.add_argument("--no-disk-cache", action="store_true", help="run without the disk KV tier")
 
     b = sub.add_parser("bench", help=f"benchmarks: {', '.join(CORE_BENCHES)}, core (all of those), "
                                      f"{', '.join(EXTERNAL_BENCHES)} (extra args go to that bench)")

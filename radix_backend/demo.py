@@ -1,12 +1,16 @@
 """`radix-backend demo`: a few-shot batch, a multi-turn chat and a fork, then the framework
-adapters (when installed), all on one engine and one radix cache; prints outputs and hit rates."""
+adapters (when installed), all on one engine and one radix cache; prints outputs and hit rates.
+The disk KV tier is on (in the user cache dir), so a second run loads the prefixes the first
+computed instead of recomputing them."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from .engine import Engine
+from .paths import cache_dir
 from .sampling_params import SamplingParams
 from .bench.workloads import FEW_SHOT_EXAMPLES
 
@@ -19,7 +23,9 @@ def _stats_line(engine: Engine, label: str, before) -> None:
     after = engine.cache_stats()
     prompt = after.prompt_tokens - before.prompt_tokens
     cached = after.cached_tokens - before.cached_tokens
-    print(f"   [{label}] prompt tokens {prompt}, served from cache {cached} ({cached / max(1, prompt):.0%})\n")
+    from_disk = after.disk_hit_tokens - before.disk_hit_tokens
+    disk = f", {from_disk} of them loaded from disk" if from_disk else ""
+    print(f"   [{label}] prompt tokens {prompt}, served from cache {cached} ({cached / max(1, prompt):.0%}){disk}\n")
 
 
 def _section(engine: Engine, title: str, body: Callable[[], None]) -> None:
@@ -70,15 +76,25 @@ def adapters(engine: Engine) -> None:
     run_adapter_demo(engine, SYSTEM)
 
 
-def run_demo(model: str | None = None, device: str = "auto", kv_cache_tokens: int | None = None) -> None:
+def default_disk_cache_dir() -> Path:
+    return cache_dir() / "kv"
+
+
+def run_demo(model: str | None = None, device: str = "auto", kv_cache_tokens: int | None = None,
+             disk_cache_dir: str | Path | None = None) -> None:
+    """`disk_cache_dir` None: no disk tier (the CLI passes `default_disk_cache_dir()` unless told not to)."""
     t = time.perf_counter()
-    with Engine(model, device=device, kv_cache_tokens=kv_cache_tokens or 32768) as engine:
+    with Engine(model, device=device, kv_cache_tokens=kv_cache_tokens or 32768,
+                disk_cache_dir=None if disk_cache_dir is None else str(disk_cache_dir)) as engine:
         print(f"loaded {engine.model_name} on {engine.runner.device} in {time.perf_counter() - t:.1f} s "
-              f"({engine.cache_stats().slots_total} KV slots)\n")
+              f"({engine.cache_stats().slots_total} KV slots)")
+        print(f"disk KV tier: {disk_cache_dir} (run the demo again to see prefixes loaded instead of computed)\n"
+              if disk_cache_dir is not None else "disk KV tier: off\n")
         _section(engine, "few-shot batch (shared 5-shot prefix)", lambda: few_shot(engine))
         _section(engine, "multi-turn chat", lambda: multi_turn(engine))
         _section(engine, "fork: one transcript, three branches", lambda: fork(engine))
         _section(engine, "framework adapters on the same engine", lambda: adapters(engine))
         s = engine.cache_stats()
         print(f"overall: {s.prompt_tokens} prompt tokens, {s.cached_tokens} served from the radix cache "
-              f"(hit rate {s.hit_rate:.1%}), {s.nodes} tree nodes, {s.generated_tokens} tokens generated")
+              f"(hit rate {s.hit_rate:.1%}; {s.disk_hit_tokens} loaded from the disk tier in {s.disk_load_s:.2f} s), "
+              f"{s.nodes} tree nodes, {s.generated_tokens} tokens generated")
