@@ -251,3 +251,49 @@ def test_restart_on_smollm2_serves_the_document_from_disk(tmp_path: Path, smollm
     assert second["cached"] >= 0.95 * len(ids)
     assert second["tokens"] == cold["tokens"] == first["tokens"]
     torch.testing.assert_close(second["logits"], cold["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_adapters_count_disk_hits_as_cached(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """After a restart, LangChain's usage `cache_read` and LlamaIndex's `cached_tokens` include
+    the prompt tokens loaded from disk."""
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.llms import ChatMessage
+
+    from radix_backend.adapters.langchain import RadixChatModel
+    from radix_backend.adapters.llama_index import RadixLlamaIndexLLM
+
+    disk = tmp_path / "kv"
+    with tiny(tiny_llama_dir, disk) as first:
+        text = first.decode(prompt_ids(first, 160, salt=8))
+        RadixChatModel(engine=first, max_tokens=2, temperature=0).invoke(text)
+    with tiny(tiny_llama_dir, disk) as second:
+        msg = RadixChatModel(engine=second, max_tokens=2, temperature=0).invoke(text)
+        from_disk = second.cache_stats().disk_hit_tokens
+        assert from_disk >= 256
+        assert msg.usage_metadata["input_token_details"]["cache_read"] == from_disk
+    with tiny(tiny_llama_dir, disk) as third:
+        reply = RadixLlamaIndexLLM(engine=third, max_new_tokens=2, temperature=0).chat([ChatMessage(role="user",
+                                                                                               content=text)])
+        assert reply.additional_kwargs["cached_tokens"] == third.cache_stats().disk_hit_tokens >= 256
+
+
+def test_server_reports_disk_hits(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A restarted server answers from the disk tier: `/generate` counts the tokens as cached and
+    /metrics exposes the disk gauges."""
+    import httpx
+
+    from radix_backend.server import ServerThread, create_app
+
+    disk = tmp_path / "kv"
+    with tiny(tiny_llama_dir, disk) as first:
+        ids = prompt_ids(first, 160, salt=9)
+        first.generate(input_ids=ids, params=GREEDY)
+    with tiny(tiny_llama_dir, disk) as second, ServerThread(create_app(second)) as srv:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        meta = httpx.post(srv.url + "/generate", json=body, timeout=60).json()["meta_info"]
+        assert meta["cached_tokens"] == (len(ids) - 1) // 64 * 64
+        metrics = {ln.split()[0]: float(ln.split()[1]) for ln in httpx.get(srv.url + "/metrics").text.splitlines()
+                   if ln.startswith("radix_backend_cache_disk")}
+        assert metrics["radix_backend_cache_disk_hit_tokens"] == meta["cached_tokens"]
+        assert metrics["radix_backend_cache_disk_bytes_read"] > 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -93,7 +92,9 @@ def measure(model: str | None, lengths: list[int], llamacpp_python: Path | None)
                 row["llamacpp_cold"] = _run(peer)
                 row["llamacpp_restart"] = _run(peer)
             rows.append(row)
-    return {"cpu": platform.processor() or platform.machine(), "rows": rows}
+    from .peer_drivers.driver_protocol import cpu_model
+
+    return {"cpu": cpu_model(), "rows": rows}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if not peer.exists():
         print(f"llama.cpp skipped: {peer} not found (bash scripts/setup_peer_llamacpp.sh installs it)")
     result = measure(args.model, [int(x) for x in args.lengths.split(",")], peer if peer.exists() else None)
-    print(format_table(result))
+    print(f"CPU: {result['cpu']}\n{format_table(result)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
