@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible + SGLang-native HTTP server")
     from .server import add_serve_args
     add_serve_args(s)
+
+    gw = sub.add_parser("gateway", help="SGLang's model gateway (smg, extra [scale]) in front of radix-backend workers")
+    from .server.launcher import add_gateway_args
+    add_gateway_args(gw)
     return parser
 
 
@@ -110,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_demo(args)
     if args.command == "bench":
         return cmd_bench(args)
+    if args.command == "gateway":
+        from .server.launcher import run_gateway
+
+        return run_gateway(args)
     from .server import run_serve
     run_serve(args)
     return 0

@@ -8,6 +8,7 @@ rate from `usage.prompt_tokens_details.cached_tokens`.
 
     python -m radix_backend.bench.server_bench --compare            # in-process server, cache on vs off
     python -m radix_backend.bench.server_bench --base-url http://127.0.0.1:30000   # a running server
+    radix-backend bench server --workers 1,2 --policies cache_aware,round_robin      # through the gateway
 """
 
 from __future__ import annotations
@@ -179,6 +180,33 @@ def compare(**kwargs: Any) -> dict[str, Any]:
             "p50_latency_ratio": off["latency_s"]["p50"] / on["latency_s"]["p50"] if on["latency_s"]["p50"] else None}
 
 
+def run_through_gateway(workers: int, policy: str, *, model: str | None = None,
+                        kv_cache_tokens: int | None = None, **load: Any) -> dict[str, Any]:
+    """The load through SGLang's model gateway in front of `workers` radix-backend worker processes
+    (each its own engine and cache, an equal share of the cores); adds the hit rate summed over the
+    workers' own cache stats (`worker_hit_rate`)."""
+    import argparse
+
+    import httpx
+
+    from ..server.app import add_serve_args
+    from ..server.launcher import free_port, local_fleet
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    argv = ["--dp-size", str(workers), "--router-policy", policy, "--port", str(free_port()), "--log-level", "warning"]
+    argv += (["--model", model] if model else []) + (["--kv-cache-tokens", str(kv_cache_tokens)] if kv_cache_tokens else [])
+    fleet = local_fleet(parser.parse_args(argv), parser)
+    fleet.gateway_cmd += ["--log-level", "warn"]
+    with fleet:
+        out = run(base_url=fleet.gateway_url, **load)
+        stats = [httpx.get(u + "/get_server_info", timeout=30).json()["cache_stats"] for u in fleet.worker_urls]
+    prompt = sum(st["prompt_tokens"] for st in stats)
+    out["config"] |= {"workers": workers, "policy": policy}
+    out["worker_hit_rate"] = sum(st["cached_tokens"] for st in stats) / prompt if prompt else 0.0
+    out["worker_prompt_tokens"] = [st["prompt_tokens"] for st in stats]
+    return out
+
+
 def format_table(results: dict[str, dict[str, Any]]) -> str:
     """A small Markdown table of named results (what BENCHMARKS.md shows)."""
     head = "| run | req/s | out tok/s | hit rate | p50 lat s | p90 lat s | p99 lat s | p50 TTFT s | errors |"
@@ -202,6 +230,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-radix-cache", action="store_true")
     p.add_argument("--compare", action="store_true", help="run with and without the radix cache")
     p.add_argument("--kv-cache-tokens", type=int, default=None)
+    p.add_argument("--workers", default=None,
+                   help="comma list of worker counts (e.g. 1,2): run through SGLang's model gateway (extra [scale]) "
+                        "in front of that many worker processes")
+    p.add_argument("--policies", default="cache_aware",
+                   help="with --workers: comma list of gateway policies (cache_aware, round_robin, ...)")
     p.add_argument("--json", action="store_true", help="print the raw JSON instead of a table")
     args = p.parse_args(argv)
     kwargs: dict[str, Any] = dict(model=args.model, num_clients=args.num_clients,
@@ -209,7 +242,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                   max_new_tokens=args.max_new_tokens, max_message_chars=args.max_message_chars)
     if args.kv_cache_tokens is not None:
         kwargs["engine_kwargs"] = {"kv_cache_tokens": args.kv_cache_tokens}
-    if args.compare:
+    if args.workers:
+        kwargs["conversations"] = load_sharegpt_conversations(args.num_conversations, max_turns=args.max_turns,
+                                                              max_message_chars=args.max_message_chars)
+        model = kwargs.pop("model")
+        out = {f"{n} worker{'s' if int(n) > 1 else ''}, {policy}": run_through_gateway(
+                   int(n), policy, model=model, kv_cache_tokens=args.kv_cache_tokens, **kwargs)
+               for n in args.workers.split(",") for policy in args.policies.split(",")}
+        table = format_table(out) + "\n\nhit rate summed over the workers' caches: " + ", ".join(
+            f"{name}: {r['worker_hit_rate']:.3f}" for name, r in out.items())
+    elif args.compare:
         out = compare(**kwargs)
         table = format_table({"radix cache": out["radix_cache"], "no radix cache": out["no_radix_cache"]})
     else:

@@ -42,6 +42,7 @@ from .metrics import ServerMetrics
 from .native_api import add_native_routes
 from .openai_api import add_openai_routes
 from .protocol import ErrorResponse, ModelCard, ModelList
+from .launcher import GATEWAY_POLICIES
 from .router import POLICIES as ROUTER_POLICIES
 
 __all__ = ["DEFAULT_MODEL_PATH", "ClientDisconnected", "ModelNotFoundError", "ServerThread", "add_serve_args",
@@ -157,6 +158,7 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
         stats = engine.cache_stats()
         return {"model_path": state.model_path, "served_model_name": state.model_name,
                 "context_length": engine.context_length, "dp_size": len(getattr(engine, "replicas", [engine])),
+                "max_total_tokens": stats.slots_total,
                 "cache_stats": {k: v for k, v in vars(stats).items()}, **state.metrics.snapshot()}
 
     @app.post("/flush_cache", response_class=PlainTextResponse,  # SGLang answers in plain text
@@ -299,8 +301,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: embedded SmolLM2-135M)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas behind a cache-aware router")
-    parser.add_argument("--router-policy", choices=ROUTER_POLICIES, default=ROUTER_POLICIES[0])
+    parser.add_argument("--dp-size", type=int, default=1,
+                        help="data-parallel replicas, each with its own engine and radix cache, behind a cache-aware router")
+    parser.add_argument("--dp-mode", choices=("process", "inprocess"), default="process",
+                        help="process: one worker process per replica behind SGLang's model gateway (extra [scale]); "
+                             "inprocess: replicas in this process behind radix-backend's own router")
+    parser.add_argument("--router-policy", choices=sorted(set(ROUTER_POLICIES) | set(GATEWAY_POLICIES)),
+                        default="cache_aware", help="routing policy (inprocess: " + ", ".join(ROUTER_POLICIES) + ")")
+    parser.add_argument("--gateway-arg", action="append", default=[],
+                        help="with --dp-mode process: one more argument for the gateway, as is (repeatable)")
     parser.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--incremental-streaming-output", action="store_true",
@@ -318,6 +327,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> None:
+    if args.dp_size > 1 and args.dp_mode == "process":
+        from .launcher import local_fleet, run_fleet
+
+        raise SystemExit(run_fleet(local_fleet(args, add_serve_args(argparse.ArgumentParser()))))
+    if args.router_policy not in ROUTER_POLICIES:
+        raise SystemExit(f"--router-policy {args.router_policy} needs --dp-mode process (in-process router: "
+                         f"{', '.join(ROUTER_POLICIES)})")
     serve(args.model, host=args.host, port=args.port, dp_size=args.dp_size, router_policy=args.router_policy,
           served_model_name=args.served_model_name, log_level=args.log_level,
           incremental_streaming_output=args.incremental_streaming_output, api_key=args.api_key,
