@@ -75,6 +75,12 @@ def test_missing_gateway_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
         launcher.local_fleet(args, parser)
 
 
+def test_inprocess_mode_refuses_gateway_only_policies() -> None:
+    args, _ = serve_args("--dp-size", "2", "--dp-mode", "inprocess", "--router-policy", "power_of_two")
+    with pytest.raises(SystemExit, match="needs --dp-mode process"):
+        server_app.run_serve(args)
+
+
 def test_worker_endpoints_the_gateway_reads(tiny_engine) -> None:
     from radix_backend.server import ServerThread, create_app
 

@@ -28,10 +28,12 @@ def test_add_serve_args_defaults() -> None:
     assert (args.host, args.port, args.dp_size, args.disable_radix_cache, args.model) == ("127.0.0.1", 30000, 2, True, None)
 
 
-def test_serve_process_dp2(tiny_llama_dir) -> None:
+def test_serve_process_dp2_inprocess_router(tiny_llama_dir) -> None:
+    """`--dp-mode inprocess`: two replicas in one server process behind radix-backend's own router
+    (the gateway fleet, the default for --dp-size, is tested in test_gateway.py)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "radix_backend.server", "--model", str(tiny_llama_dir), "--port", str(port),
-           "--dp-size", "2", "--kv-cache-tokens", "4096", "--served-model-name", "tiny", "--log-level", "warning"]
+           "--dp-size", "2", "--dp-mode", "inprocess", "--kv-cache-tokens", "4096", "--served-model-name", "tiny", "--log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -147,7 +147,8 @@ class Fleet:
             for url, proc in zip(self.worker_urls, self.workers):
                 wait_healthy(url, proc, timeout_s)
             if self.gateway_cmd is not None:
-                self.gateway = subprocess.Popen(self.gateway_cmd)
+                # its banner and logs go to stderr, so stdout keeps only what radix-backend reports
+                self.gateway = subprocess.Popen(self.gateway_cmd, stdout=sys.stderr)
                 wait_healthy(self.gateway_url, self.gateway, 120, self.api_key)
         except BaseException:
             self.stop()
@@ -168,17 +169,19 @@ class Fleet:
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM everything (gateway first, so no new requests reach workers), then SIGKILL stragglers."""
-        for proc in ([self.gateway] if self.gateway else []) + self.workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.processes:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        """Stop the gateway first (no new requests reach the workers), then the workers: SIGTERM,
+        and SIGKILL for whatever has not exited within `grace_s`."""
+        for group in ([self.gateway] if self.gateway else [], self.workers):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for proc in group:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     def __enter__(self) -> Fleet:
         return self.start()
