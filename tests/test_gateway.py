@@ -151,27 +151,21 @@ def test_gateway_passes_the_api_key_through(tiny_llama_dir: Path) -> None:
         assert httpx.get(fleet.worker_urls[0] + "/v1/models").status_code == 401  # workers want the key too
 
 
-def summed_hit_rate(fleet: launcher.Fleet) -> tuple[float, list[int]]:
-    stats = [httpx.get(u + "/get_server_info", timeout=10).json()["cache_stats"] for u in fleet.worker_urls]
-    prompt = sum(s["prompt_tokens"] for s in stats)
-    return sum(s["cached_tokens"] for s in stats) / max(1, prompt), [s["prompt_tokens"] for s in stats]
-
-
 @needs_gateway
 def test_cache_aware_routing_beats_round_robin_on_multi_turn_chats(tiny_llama_dir: Path) -> None:
-    """The ShareGPT multi-turn load through the gateway: summed hit rate across the workers."""
+    """The ShareGPT multi-turn load through the gateway (`bench server --workers 2`'s code): the hit
+    rate summed over the two workers' own caches."""
     from radix_backend.bench import server_bench
     from radix_backend.bench.workloads import load_sharegpt_conversations
 
     convs = load_sharegpt_conversations(8, max_turns=3, max_message_chars=400, seed=0)
     rates = {}
     for policy in ("cache_aware", "round_robin"):
-        with tiny_fleet(tiny_llama_dir, 2, policy=policy) as fleet:
-            out = server_bench.run(base_url=fleet.gateway_url, conversations=convs, num_clients=4, max_new_tokens=8,
-                                   timeout=120)
-            assert out["errors"] == 0 and out["requests"] == sum(sum(m["role"] == "user" for m in c) for c in convs)
-            rates[policy], per_worker = summed_hit_rate(fleet)
-            assert all(p > 0 for p in per_worker)  # both workers served
+        out = server_bench.run_through_gateway(2, policy, model=str(tiny_llama_dir), kv_cache_tokens=8192,
+                                               conversations=convs, num_clients=4, max_new_tokens=8, timeout=120)
+        assert out["errors"] == 0 and out["requests"] == sum(sum(m["role"] == "user" for m in c) for c in convs)
+        assert out["config"]["workers"] == 2 and all(p > 0 for p in out["worker_prompt_tokens"])  # both served
+        rates[policy] = out["worker_hit_rate"]
     print(f"summed worker hit rate: cache_aware {rates['cache_aware']:.3f}, round_robin {rates['round_robin']:.3f}")
     assert rates["cache_aware"] > rates["round_robin"]
 
