@@ -40,7 +40,8 @@ def test_worker_argv_keeps_user_flags_and_drops_fleet_flags() -> None:
     assert argv[:3] == [sys.executable, "-m", "radix_backend.server"]
     flags = argv[3:]
     assert flags[-4:] == ["--host", "127.0.0.1", "--port", "41234"]
-    for expected in (["--model", "/m"], ["--api-key", "k"], ["--kv-cache-tokens", "4096"], ["--page-size", "4"]):
+    assert "--api-key" not in flags and "k" not in flags  # the key travels in the environment (ps shows argv)
+    for expected in (["--model", "/m"], ["--kv-cache-tokens", "4096"], ["--page-size", "4"]):
         i = flags.index(expected[0])
         assert flags[i:i + 2] == expected
     assert "--no-enable-jump-forward" in flags and "--incremental-streaming-output" in flags
@@ -61,8 +62,9 @@ def test_gateway_command_and_worker_envs() -> None:
         launcher.gateway_command(["http://a:1"], host="h", port=1, policy="fastest")
     with pytest.raises(ValueError, match="worker"):
         launcher.gateway_command([], host="h", port=1)
-    envs = launcher.worker_envs(2, "cpu")
+    envs = launcher.worker_envs(2, "cpu", api_key="k")
     assert [e["OMP_NUM_THREADS"] for e in envs] == [str(max(1, (os.cpu_count() or 1) // 2))] * 2
+    assert all(e["RADIX_BACKEND_API_KEY"] == "k" for e in envs)
 
 
 def test_missing_gateway_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,6 +75,18 @@ def test_missing_gateway_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     args, parser = serve_args("--dp-size", "2")
     with pytest.raises(MissingDependencyError, match="scale"):
         launcher.local_fleet(args, parser)
+
+
+def test_a_worker_that_dies_while_starting_stops_the_fleet(capsys: pytest.CaptureFixture[str]) -> None:
+    port = launcher.free_port()
+    fleet = launcher.Fleet([[sys.executable, "-c", "import sys; sys.exit(3)"],
+                            [sys.executable, "-c", "import time; time.sleep(60)"]], [dict(os.environ)] * 2,
+                           [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{launcher.free_port()}"], None, None)
+    start = time.monotonic()
+    assert launcher.run_fleet(fleet) == 1
+    err = capsys.readouterr().err
+    assert "did not start" in err and "exited with code 3" in err  # names what died
+    assert all(p.poll() is not None for p in fleet.workers) and time.monotonic() - start < 30
 
 
 def test_inprocess_mode_refuses_gateway_only_policies() -> None:

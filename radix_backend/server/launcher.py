@@ -27,12 +27,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError, MissingDependencyError
+from .guard import API_KEY_ENV
 
 GATEWAY_MODULE = "smg.launch_router"
 GATEWAY_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random", "least_load", "prefix_hash",
                     "consistent_hashing")
 # flags of `serve` that configure the fleet, not a worker
-LAUNCHER_ONLY = {"help", "dp_size", "dp_mode", "router_policy", "host", "port", "gateway_arg", "worker_base_port"}
+# (the API key reaches workers through their environment: a command line is visible to every local user)
+LAUNCHER_ONLY = {"help", "dp_size", "dp_mode", "router_policy", "host", "port", "gateway_arg", "api_key"}
 STARTUP_TIMEOUT_S = 900.0
 
 
@@ -93,9 +95,9 @@ def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, port:
     return [sys.executable, "-m", "radix_backend.server", *out, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def worker_envs(dp_size: int, device: str) -> list[dict[str, str]]:
-    """Per-worker environment: a share of the CPU cores each, or one CUDA device each."""
-    base = dict(os.environ)
+def worker_envs(dp_size: int, device: str, api_key: str | None = None) -> list[dict[str, str]]:
+    """Per-worker environment: a share of the CPU cores each, or one CUDA device each (and the API key)."""
+    base = dict(os.environ) | ({API_KEY_ENV: api_key} if api_key else {})
     if device.startswith("cuda") or device == "auto":
         import torch
 
@@ -198,10 +200,10 @@ def local_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fl
         raise InvalidRequestError(f"--dp-size must be >= 1, got {args.dp_size}")
     ports = [free_port() for _ in range(args.dp_size)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    api_key = args.api_key or os.environ.get("RADIX_BACKEND_API_KEY")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
     gateway = gateway_command(urls, host=args.host, port=args.port, policy=args.router_policy, api_key=api_key,
                               extra_args=args.gateway_arg or ())
-    return Fleet([worker_argv(args, parser, p) for p in ports], worker_envs(args.dp_size, args.device), urls,
+    return Fleet([worker_argv(args, parser, p) for p in ports], worker_envs(args.dp_size, args.device, api_key), urls,
                  gateway, local_url(args.host, args.port), api_key)
 
 
@@ -219,6 +221,9 @@ def run_fleet(fleet: Fleet) -> int:
     except KeyboardInterrupt:
         fleet.stop()
         return 0
+    except (RuntimeError, TimeoutError) as exc:  # a process died or hung while starting: all were stopped
+        print(f"radix-backend: the fleet did not start: {exc}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -240,8 +245,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     """`radix-backend gateway`: the gateway alone, in the foreground."""
     require_gateway()
     cmd = gateway_command(args.worker_urls, host=args.host, port=args.port, policy=args.policy,
-                          api_key=args.api_key or os.environ.get("RADIX_BACKEND_API_KEY"),
+                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
                           health_check_interval_s=args.health_check_interval_secs, extra_args=args.gateway_arg)
     fleet = Fleet([], [], list(args.worker_urls), cmd, local_url(args.host, args.port),
-                  args.api_key or os.environ.get("RADIX_BACKEND_API_KEY"))
+                  args.api_key or os.environ.get(API_KEY_ENV))
     return run_fleet(fleet)
