@@ -72,9 +72,6 @@ class DiskStats:
     evicted_files: int = 0
     write_errors: int = 0
 
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
 
 def _sample(tensor: torch.Tensor) -> bytes:
     """Bytes of `tensor` for the fingerprint: all of a small one, evenly spaced chunks of a big one."""
@@ -134,17 +131,14 @@ def model_fingerprint(state: dict[str, torch.Tensor], identity: dict[str, Any]) 
     return h.hexdigest()
 
 
-def block_hashes(tokens: Sequence[int], block_tokens: int, seed: str, start: int = 0) -> list[str]:
-    """Names of the whole blocks of `tokens` (hash chain seeded with `seed`); the first `start`
-    blocks are hashed but not returned."""
+def block_hashes(tokens: Sequence[int], block_tokens: int, seed: str) -> list[str]:
+    """Names of the whole blocks of `tokens` (hash chain seeded with `seed`)."""
     out: list[str] = []
     prev = bytes.fromhex(seed)
-    n_blocks = len(tokens) // block_tokens
-    for j in range(n_blocks):
+    for j in range(len(tokens) // block_tokens):
         block = tokens[j * block_tokens:(j + 1) * block_tokens]
         prev = hashlib.sha256(prev + struct.pack(f"<{block_tokens}q", *block)).digest()
-        if j >= start:
-            out.append(prev.hex())
+        out.append(prev.hex())
     return out
 
 
@@ -162,12 +156,10 @@ class _Write:
 
 @dataclass
 class KVBlock:
-    """One block read back: its tokens and K/V [layers, block_tokens, kv_heads, head_dim]."""
+    """One block read back (checked against its tokens): K/V [layers, block_tokens, kv_heads, head_dim]."""
 
-    tokens: list[int]
     k: torch.Tensor
     v: torch.Tensor
-    nbytes: int = 0
 
 
 @dataclass
@@ -271,7 +263,7 @@ class DiskKVStore:
             raise CorruptEntry("written by another model or format")
         if tensors["tokens"].tolist() != list(expected_tokens):
             raise CorruptEntry("tokens differ from the block's name")
-        return KVBlock(list(expected_tokens), tensors["k"], tensors["v"], len(data))
+        return KVBlock(tensors["k"], tensors["v"])
 
     # ---- writing --------------------------------------------------------------------------
     def put(self, name: str, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -337,8 +329,7 @@ class DiskKVStore:
                 f.write(data)
             os.replace(tmp, final)  # atomic: readers see the old state or the whole file
         finally:
-            if tmp.exists():
-                tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # only left behind when the write failed
         with self._lock:
             self._known.add(job.name)
         self.stats.blocks_written += 1
