@@ -1,9 +1,10 @@
 """Fused layer ops the model calls: RMSNorm (+ residual add), SiLU-and-mul and neox-style RoPE.
 
-Each public function has a pure-torch implementation (`*_torch`, used on CPU and as the test
-reference) and a Triton kernel (`triton_ops.py`) used for CUDA tensors when Triton imports.
-Set the env var `RADIX_BACKEND_TRITON_OPS=0` (read at import) or the module flag
-`USE_TRITON_OPS = False` to force the torch path everywhere.
+Each public function has a pure-torch implementation (`*_torch`, the test reference), a Triton
+kernel (`triton_ops.py`) used for CUDA tensors when Triton imports, and a native C kernel
+(`native.py`) used for fp32 CPU tensors when a C compiler is there. Set the env var
+`RADIX_BACKEND_TRITON_OPS=0` (read at import) or the module flag `USE_TRITON_OPS = False` to keep
+Triton off, and `RADIX_BACKEND_NATIVE=0` (read once per process) to keep the native kernels off.
 
 RoPE cache layout (`cos_sin_cache`): a float tensor [max_pos, rot_dim]; row p holds
 `cos(p * inv_freq)` in columns [0, rot_dim/2) and `sin(p * inv_freq)` in [rot_dim/2, rot_dim),
@@ -22,6 +23,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 USE_TRITON_OPS: bool = os.environ.get("RADIX_BACKEND_TRITON_OPS", "1") != "0"
 
 
@@ -34,6 +37,10 @@ def _use_triton(x: torch.Tensor) -> bool:
     return USE_TRITON_OPS and x.is_cuda and triton_available()
 
 
+def _use_native(*tensors: torch.Tensor) -> bool:
+    return not tensors[0].is_cuda and native.supports(*tensors)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -42,6 +49,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     if _use_triton(x):
         from . import triton_ops
         return triton_ops.rms_norm(x, weight, eps)
+    if _use_native(x, weight):
+        return native.add_rms_norm(None, x, weight, eps)[0]
     return rms_norm_torch(x, weight, eps)
 
 
@@ -54,6 +63,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if _use_triton(x):
         from . import triton_ops
         return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
+    if _use_native(x, residual, weight):
+        return native.add_rms_norm(x, residual, weight, eps)
     return fused_add_rms_norm_torch(x, residual, weight, eps)
 
 
@@ -64,6 +75,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_triton(x):
         from . import triton_ops
         return triton_ops.silu_and_mul(x)
+    if _use_native(x):
+        return native.silu_and_mul(x)
     return silu_and_mul_torch(x)
 
 
@@ -77,6 +90,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if _use_triton(q):
         from . import triton_ops
         return triton_ops.apply_rotary(q, k, positions, cos_sin_cache)
+    if _use_native(q, k, cos_sin_cache) and native.rope_rows_ok(q) and native.rope_rows_ok(k):
+        cos_sin_cache = cos_sin_cache.contiguous()
+        return native.rope(q, positions, cos_sin_cache), native.rope(k, positions, cos_sin_cache)
     return apply_rotary_torch(q, k, positions, cos_sin_cache)
 
 

@@ -32,7 +32,8 @@ CPU_DEFAULT_KV_FRACTION = 0.2
 # A CPU step of at most this many tokens runs on one intra-op thread when called off the main
 # thread (the scheduler's): there, every OpenMP region costs ~100 us of hand-off (libgomp), which
 # outweighs what a second thread gains on small ops (measured on 2 cores, int4 SmolLM2: batch-1
-# decode step 25 ms on 1 thread vs 37 ms on 2; batch 8: 85 vs 68 ms).
+# decode step 25 ms on 1 thread vs 37 ms on 2; batch 8: 85 vs 68 ms). The LM head is the exception:
+# one 28 MB matmul, 4.2 ms on one thread and ~2.1 on two, so it runs on all of them.
 SINGLE_THREAD_MAX_TOKENS = 4
 CPU_MAX_DEFAULT_KV_TOKENS = 131072
 
@@ -182,9 +183,11 @@ class ModelRunner:
                 or threading.current_thread() is threading.main_thread()):
             return self._forward_local(batch)
         torch.set_num_threads(1)
+        self.model.head_threads = threads  # the LM head, one large matmul, still gets them all
         try:
             return self._forward_local(batch)
         finally:
+            self.model.head_threads = 0
             torch.set_num_threads(threads)
 
     def _forward_local(self, batch: ForwardInput) -> torch.Tensor:

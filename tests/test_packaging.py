@@ -138,6 +138,8 @@ def test_wheel_layout(wheel: Path, source: Path) -> None:
             if f"{dest}/{rel}" not in names:
                 missing.append(f"{src_dir}/{rel}")
     assert not missing, f"source modules missing from the wheel (add their packages to pyproject): {missing}"
+    # data files the code reads at run time
+    assert "radix_backend/kernels/csrc/cpu_kernels.c" in names, "the native kernels' C source is not packaged"
 
 
 def test_console_script_target_is_packaged(wheel: Path) -> None:

@@ -7,11 +7,22 @@ import math
 import pytest
 import torch
 
+from radix_backend.kernels import native
 from radix_backend.kernels import shared_prefix as sp
 from radix_backend.kernels.attention_base import AttentionMetadata
 from radix_backend.kernels.torch_backend import TorchAttentionBackend
 
 HQ, HKV, D = 6, 2, 16
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def decode_path(request, monkeypatch) -> str:
+    """Every test runs with decode steps on the native kernel (read in place) and on torch ops."""
+    if request.param == "native" and not native.available():
+        pytest.skip("native CPU kernels unavailable (no C compiler)")
+    if request.param == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
+    return request.param
 
 
 def reference(q, k_cache, v_cache, slot_lists, prefix_lens, extend_lens, scale):
@@ -64,9 +75,10 @@ def shared_batch(num_requests, shared, own, extend, contiguous=True, seed=0):
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_decode_with_a_shared_prefix_equals_reference(contiguous):
+def test_decode_with_a_shared_prefix_equals_reference(contiguous, decode_path):
     slots, prefix = shared_batch(5, shared=70, own=[0, 3, 9, 1, 40], extend=[1] * 5, contiguous=contiguous)
     out, ref, backend = run(slots, prefix, [1] * 5)
+    assert (backend._plan.native_lens is not None) == (decode_path == "native")
     assert len(backend._plan.groups) == 1 and backend._plan.groups[0].length == 70
     assert (backend._plan.groups[0].contiguous_start is not None) == contiguous
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

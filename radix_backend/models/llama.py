@@ -176,6 +176,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", _rope_cos_sin_cache(config, head_dim, config.max_position_embeddings),
                              persistent=False)
         self.lm_head_quant: nn.Module | None = None  # set by radix_backend.quantize when the head is quantized
+        # Intra-op threads for the LM head when the caller runs the rest of a small step on fewer
+        # (0: as the caller set). The head is one large matmul, where more threads pay off.
+        self.head_threads = 0
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -193,6 +196,16 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
         hidden, _ = self.norm(hidden, residual)
+        threads = torch.get_num_threads()
+        if self.head_threads <= threads:
+            return self._lm_head(hidden)
+        torch.set_num_threads(self.head_threads)
+        try:
+            return self._lm_head(hidden)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_quant is not None:
             return self.lm_head_quant(hidden).float()
         return torch.matmul(hidden, self.lm_head_weight.t()).float()

@@ -1,0 +1,182 @@
+"""Native CPU kernels (`csrc/cpu_kernels.c`), compiled once per machine and called through ctypes.
+
+A CPU decode step is dominated by many small torch ops and by gathering K/V out of the paged pool;
+the C kernels read the pool in place and fuse the element-wise ops (see the C file). The source is
+plain C, so the system C compiler (`$CC`, else `cc`) builds it in well under a second with
+`-O3 -march=native`; the library is cached under the user cache dir keyed by the source, the flags,
+the compiler and the CPU, so later processes only load it. Without a compiler, or with
+`RADIX_BACKEND_NATIVE=0`, `available()` is False (the reason is logged once) and callers keep their
+torch path, which stays the reference the kernels are tested against.
+
+The kernels take fp32 CPU tensors; the wrappers check layouts and fall back is the caller's job
+(`supports(...)`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
+ENV_SWITCH = "RADIX_BACKEND_NATIVE"
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rb_decode_attention": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
+    "rb_add_rms_norm": ([_P, _P, _P, _I, _I, _F, _P, _P], None),
+    "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
+    "rb_silu_and_mul": ([_P, _I, _I, _P], None),
+}
+
+
+class NativeKernelError(RuntimeError):
+    """A native kernel reported a failure (e.g. out of memory for its scratch space)."""
+
+
+def _build_dir() -> Path:
+    """`<user cache>/native`, the cache dir radix_backend.paths.cache_dir names (same env vars)."""
+    explicit = os.environ.get("RADIX_BACKEND_CACHE")
+    if explicit:
+        return Path(explicit).expanduser() / "native"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "radix-backend" / "native"
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and flags: a library built with -march=native runs only where they match."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def build(compiler: str, out_dir: Path) -> Path:
+    """Compile the kernels into `out_dir` (reused when the same build exists) and return the path."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode())
+    target = out_dir / f"rb_cpu_kernels_{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        result = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        os.replace(tmp, target)  # atomic: concurrent builders each publish a complete file
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (with the reason logged once) when they cannot be used here."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        logger.info("native CPU kernels off (%s=0)", ENV_SWITCH)
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found (set CC or install gcc): native CPU kernels off, torch ops used")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler, _build_dir())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU kernels unavailable, torch ops used: %s", exc)
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """True when the kernels can run on these tensors: fp32 on the CPU, and the library loaded."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.is_cuda or t.device.type != "cpu":
+            return False
+    return available()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
+                     starts: torch.Tensor, lens: torch.Tensor, scale: float, with_lse: bool = False,
+                     threads: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One query row per request over its keys at `kv_indices[starts[b] : starts[b] + lens[b]]`,
+    read from the pool in place. q [B, Hq, D]; caches [slots, Hkv, D]; returns (out [B, Hq, D],
+    lse [B, Hq] or None). Every lens[b] must be >= 1 and every slot inside the pool."""
+    batch, hq, dim = q.shape
+    hkv = k_cache.shape[1]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, dtype=torch.float32) if with_lse else None
+    rc = library().rb_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), starts.data_ptr(),
+        lens.data_ptr(), batch, hkv, hq // hkv, dim, scale, out.data_ptr(), _ptr(lse), threads)
+    if rc != 0:
+        raise NativeKernelError("decode attention could not allocate its scratch memory")
+    return out, lse
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual); with x None, (rms_norm(residual) * weight, residual)."""
+    residual = residual.contiguous()
+    dim = residual.shape[-1]
+    out = torch.empty_like(residual)
+    new_residual = residual if x is None else torch.empty_like(residual)
+    library().rb_add_rms_norm(_ptr(None if x is None else x.contiguous()), residual.data_ptr(), weight.data_ptr(),
+                              residual.numel() // dim, dim, eps, out.data_ptr(),
+                              None if x is None else new_residual.data_ptr())
+    return out, new_residual
+
+
+def rope_rows_ok(x: torch.Tensor) -> bool:
+    """x [T, H, D] whose heads sit contiguously within each row (e.g. a slice of a fused qkv)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE of x [T, H, D] (see `rope_rows_ok`) into a new contiguous tensor."""
+    tokens, heads, dim = x.shape
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype)
+    positions = positions.to(torch.int64).contiguous()
+    library().rb_rope(x.data_ptr(), x.stride(0), tokens, heads, dim, positions.data_ptr(),
+                      cos_sin_cache.data_ptr(), cos_sin_cache.shape[-1], out.data_ptr())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    library().rb_silu_and_mul(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+    return out

@@ -1,0 +1,143 @@
+"""The native CPU kernels (kernels/csrc/cpu_kernels.c) against the torch reference ops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from radix_backend import Engine, SamplingParams
+from radix_backend.kernels import native, ops
+from radix_backend.kernels.attention_base import AttentionMetadata
+from radix_backend.kernels.torch_backend import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels unavailable (no C compiler)")
+
+
+def reference_decode(q, k_cache, v_cache, slot_lists, scale):
+    """softmax(q K^T) V per request and query head, in float64; returns (out, lse)."""
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
+    for b, slots in enumerate(slot_lists):
+        for h in range(hq):
+            keys = k_cache[slots, h // (hq // hkv)].double()
+            scores = keys @ q[b, h].double() * scale
+            out[b, h] = (torch.softmax(scores, 0) @ v_cache[slots, h // (hq // hkv)].double()).float()
+            lse[b, h] = torch.logsumexp(scores, 0).float()
+    return out, lse
+
+
+@pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (8, 8, 128), (4, 2, 40)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_reads_the_pool_in_place(hq, hkv, dim, threads):
+    gen = torch.Generator().manual_seed(hq + dim)
+    k_cache, v_cache = torch.randn(600, hkv, dim, generator=gen), torch.randn(600, hkv, dim, generator=gen)
+    lens = [1, 37, 250, 5]
+    order = torch.randperm(599, generator=gen).add(1)  # scattered slots, as after evictions
+    slot_lists, at = [], 0
+    for n in lens:
+        slot_lists.append(order[at:at + n])
+        at += n
+    kv_indices = torch.cat(slot_lists)
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])
+    q = torch.randn(len(lens), hq, dim, generator=gen)
+    scale = 1 / math.sqrt(dim)
+    out, lse = native.decode_attention(q, k_cache, v_cache, kv_indices, starts, torch.tensor(lens), scale,
+                                       with_lse=True, threads=threads)
+    ref_out, ref_lse = reference_decode(q, k_cache, v_cache, slot_lists, scale)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_survives_extreme_scores():
+    """Softmax after the max: large logits neither overflow nor underflow to NaN."""
+    k_cache = torch.zeros(8, 1, 64)
+    k_cache[1:4, 0, 0] = torch.tensor([300.0, -300.0, 299.0])
+    v_cache = torch.arange(8 * 64, dtype=torch.float32).view(8, 1, 64)
+    q = torch.zeros(1, 1, 64)
+    q[0, 0, 0] = 1.0
+    out, _ = native.decode_attention(q, k_cache, v_cache, torch.tensor([1, 2, 3]), torch.tensor([0]),
+                                     torch.tensor([3]), 1.0)
+    ref, _ = reference_decode(q, k_cache, v_cache, [torch.tensor([1, 2, 3])], 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-5)
+
+
+def test_norms_match_the_torch_ops():
+    gen = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(5, 576, generator=gen), torch.randn(5, 576, generator=gen)
+    weight = torch.rand(576, generator=gen) + 0.5
+    x_before, residual_before = x.clone(), residual.clone()
+    out, new_residual = ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_residual = ops.fused_add_rms_norm_torch(x, residual, weight, 1e-5)
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=2e-6)
+    assert torch.equal(new_residual, ref_residual)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # inputs untouched
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), ops.rms_norm_torch(x, weight, 1e-5),
+                               atol=2e-6, rtol=2e-6)
+
+
+def test_rope_on_views_of_a_fused_qkv_and_silu_match_the_torch_ops():
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(7, 9 * 64 + 2 * 3 * 64, generator=gen)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(7, 9, 64), k.view(7, 3, 64)
+    positions = torch.tensor([0, 1, 5, 100, 2047, 3, 3])
+    cache = ops.build_cos_sin_cache(ops.default_inv_freq(64), 2048)
+    got_q, got_k = ops.apply_rotary(q, k, positions, cache)
+    ref_q, ref_k = ops.apply_rotary_torch(q, k, positions, cache)
+    torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-6)
+    partial = ops.build_cos_sin_cache(ops.default_inv_freq(32), 2048)  # rot_dim < head_dim: rest passes
+    torch.testing.assert_close(ops.apply_rotary(q, k, positions, partial)[0],
+                               ops.apply_rotary_torch(q, k, positions, partial)[0], atol=1e-6, rtol=1e-6)
+    gate_up = torch.randn(4, 2 * 1536, generator=gen) * 4
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), ops.silu_and_mul_torch(gate_up), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_tensors_keep_the_torch_path():
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    assert not native.supports(x, weight)
+    assert torch.equal(ops.rms_norm(x, weight), ops.rms_norm_torch(x, weight))
+
+
+def test_a_failing_compiler_is_reported(tmp_path):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'cc: broken' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with pytest.raises(RuntimeError, match="broken"):
+        native.build(str(fake), tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.so"))  # no half-written library left behind
+
+
+def test_engine_tokens_and_logits_equal_with_and_without_native_kernels(tiny_llama_dir, monkeypatch):
+    """The whole decode path (norms, RoPE, attention in place) on the tiny model, both ways."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11] * 20, [1, 2, 3, 4, 5, 6, 7, 8] * 5 + [42]]
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+
+    def run() -> list:
+        engine = Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="none")
+        try:
+            outs = engine.generate(input_ids=prompts, params=params)
+            return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+        finally:
+            engine.shutdown()
+
+    with_native = run()
+    monkeypatch.setattr(native, "library", lambda: None)
+    without = run()
+    for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(with_native, without):
+        assert tokens_a == tokens_b
+        torch.testing.assert_close(torch.tensor(logprobs_a), torch.tensor(logprobs_b), atol=1e-4, rtol=0)
+
+
+def test_backend_plans_native_decode_only_for_decode_steps():
+    meta = AttentionMetadata.build([10], [1], torch.arange(11), torch.tensor([10]), "cpu")
+    backend = TorchAttentionBackend()
+    backend.begin_forward(meta)
+    assert backend._plan.native_lens is not None
+    extend = AttentionMetadata.build([10], [3], torch.arange(13), torch.tensor([10, 11, 12]), "cpu")
+    backend.begin_forward(extend)
+    assert backend._plan.native_lens is None
