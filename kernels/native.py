@@ -8,8 +8,8 @@ the compiler and the CPU, so later processes only load it. Without a compiler, o
 `RADIX_BACKEND_NATIVE=0`, `available()` is False (the reason is logged once) and callers keep their
 torch path, which stays the reference the kernels are tested against.
 
-The kernels take fp32 CPU tensors; the wrappers check layouts and fall back is the caller's job
-(`supports(...)`).
+The kernels take fp32 CPU tensors (`supports(...)` says whether they can run; choosing the torch
+path otherwise is the caller's job); the wrappers make their inputs contiguous.
 """
 
 from __future__ import annotations
@@ -153,9 +153,9 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     dim = residual.shape[-1]
     out = torch.empty_like(residual)
     new_residual = residual if x is None else torch.empty_like(residual)
-    library().rb_add_rms_norm(_ptr(None if x is None else x.contiguous()), residual.data_ptr(), weight.data_ptr(),
-                              residual.numel() // dim, dim, eps, out.data_ptr(),
-                              None if x is None else new_residual.data_ptr())
+    x = None if x is None else x.contiguous()
+    library().rb_add_rms_norm(_ptr(x), residual.data_ptr(), weight.contiguous().data_ptr(), residual.numel() // dim,
+                              dim, eps, out.data_ptr(), None if x is None else new_residual.data_ptr())
     return out, new_residual
 
 

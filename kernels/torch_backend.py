@@ -84,7 +84,8 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._plan if planned else self._build_plan(meta)
         tokens, hq, dim = q.shape
         hkv = k_cache.shape[1]
-        if plan.native_lens is not None and not native.supports(q, k_cache, v_cache):
+        if plan.native_lens is not None and not (native.supports(q, k_cache, v_cache) and k_cache.is_contiguous()
+                                                 and v_cache.is_contiguous()):
             plan = self._build_plan(meta, allow_native=False)  # e.g. a bf16 pool: the torch path
             if planned:
                 self._plan = plan
