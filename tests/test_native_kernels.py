@@ -103,6 +103,19 @@ def test_bf16_tensors_keep_the_torch_path():
     assert torch.equal(ops.rms_norm(x, weight), ops.rms_norm_torch(x, weight))
 
 
+def test_the_library_builds_from_source_once_and_loads(tmp_path):
+    """What a fresh machine does on first use: compile into the cache dir, then reuse the file."""
+    import ctypes
+
+    compiler = native._compiler()
+    built = native.build(compiler, tmp_path)
+    assert built.parent == tmp_path and built.suffix == ".so"
+    assert hasattr(ctypes.CDLL(str(built)), "rb_decode_attention")
+    mtime = built.stat().st_mtime_ns
+    assert native.build(compiler, tmp_path) == built and built.stat().st_mtime_ns == mtime  # cache hit
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary files left
+
+
 def test_a_failing_compiler_is_reported(tmp_path):
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'cc: broken' >&2\nexit 1\n")
