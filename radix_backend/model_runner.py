@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radix_backend.kernels import AttentionMetadata, create_attention_backend
+from radix_backend.kernels import AttentionMetadata, create_attention_backend, native
 
 from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
@@ -128,8 +128,9 @@ class ModelRunner:
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(pool_cfg.num_layers)]
         self.attention_backend = create_attention_backend(config.attention_backend, self.device,
                                                           page_size=config.page_size)
-        logger.info("model on %s/%s, %d KV slots, attention=%s, tp_size=%d", self.device, self.dtype, num_slots,
-                    self.attention_backend.name, self.tp.size if self.tp else 1)
+        logger.info("model on %s/%s, %d KV slots, attention=%s, tp_size=%d, native CPU kernels %s", self.device,
+                    self.dtype, num_slots, self.attention_backend.name, self.tp.size if self.tp else 1,
+                    "on" if self.device.type == "cpu" and native.available() else "off")
 
     def _init_graph_runner(self, max_batch_size: int) -> None:
         """Capture the decode step per batch size (eagerly padded on CPU, which is how it is tested)."""
