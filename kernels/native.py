@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .user_cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
@@ -44,15 +46,6 @@ _SIGNATURES = {
 
 class NativeKernelError(RuntimeError):
     """A native kernel reported a failure (e.g. out of memory for its scratch space)."""
-
-
-def _build_dir() -> Path:
-    """`<user cache>/native`, the cache dir radix_backend.paths.cache_dir names (same env vars)."""
-    explicit = os.environ.get("RADIX_BACKEND_CACHE")
-    if explicit:
-        return Path(explicit).expanduser() / "native"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "radix-backend" / "native"
 
 
 def _cpu_identity() -> str:
@@ -101,7 +94,7 @@ def library() -> ctypes.CDLL | None:
         logger.warning("no C compiler found (set CC or install gcc): native CPU kernels off, torch ops used")
         return None
     try:
-        lib = ctypes.CDLL(str(build(compiler, _build_dir())))
+        lib = ctypes.CDLL(str(build(compiler, cache_dir(create=False) / "native")))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable, torch ops used: %s", exc)
         return None
