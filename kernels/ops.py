@@ -37,10 +37,6 @@ def _use_triton(x: torch.Tensor) -> bool:
     return USE_TRITON_OPS and x.is_cuda and triton_available()
 
 
-def _use_native(*tensors: torch.Tensor) -> bool:
-    return not tensors[0].is_cuda and native.supports(*tensors)
-
-
 # ----------------------------------------------------------------------------- public API
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -49,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     if _use_triton(x):
         from . import triton_ops
         return triton_ops.rms_norm(x, weight, eps)
-    if _use_native(x, weight):
+    if native.supports(x, weight):
         return native.add_rms_norm(None, x, weight, eps)[0]
     return rms_norm_torch(x, weight, eps)
 
@@ -63,7 +59,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if _use_triton(x):
         from . import triton_ops
         return triton_ops.fused_add_rms_norm(x, residual, weight, eps)
-    if _use_native(x, residual, weight):
+    if native.supports(x, residual, weight):
         return native.add_rms_norm(x, residual, weight, eps)
     return fused_add_rms_norm_torch(x, residual, weight, eps)
 
@@ -75,7 +71,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if _use_triton(x):
         from . import triton_ops
         return triton_ops.silu_and_mul(x)
-    if _use_native(x):
+    if native.supports(x):
         return native.silu_and_mul(x)
     return silu_and_mul_torch(x)
 
@@ -90,7 +86,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if _use_triton(q):
         from . import triton_ops
         return triton_ops.apply_rotary(q, k, positions, cos_sin_cache)
-    if _use_native(q, k, cos_sin_cache) and native.rope_rows_ok(q) and native.rope_rows_ok(k):
+    if native.supports(q, k, cos_sin_cache) and native.rope_rows_ok(q) and native.rope_rows_ok(k):
         cos_sin_cache = cos_sin_cache.contiguous()
         return native.rope(q, positions, cos_sin_cache), native.rope(k, positions, cos_sin_cache)
     return apply_rotary_torch(q, k, positions, cos_sin_cache)
