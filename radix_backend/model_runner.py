@@ -33,7 +33,7 @@ CPU_DEFAULT_KV_FRACTION = 0.2
 # thread (the scheduler's): there, every OpenMP region costs ~100 us of hand-off (libgomp), which
 # outweighs what a second thread gains on small ops (measured on 2 cores, int4 SmolLM2: batch-1
 # decode step 25 ms on 1 thread vs 37 ms on 2; batch 8: 85 vs 68 ms). The LM head is the exception:
-# one 28 MB matmul, 4.2 ms on one thread and ~2.1 on two, so it runs on all of them.
+# one 28 MB matmul, 4.1-4.5 ms on one thread and 2.6-2.8 ms on two, so it runs on all of them.
 SINGLE_THREAD_MAX_TOKENS = 4
 CPU_MAX_DEFAULT_KV_TOKENS = 131072
 
