@@ -73,6 +73,12 @@ class AttentionBackend(ABC):
     def begin_forward(self, meta: AttentionMetadata) -> None:
         """Plan once per forward batch (shared by all layers). Default: nothing to plan."""
 
+    def native_decode_slots(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """After `begin_forward(meta)`: (starts, lens) into meta.kv_indices of each request's keys
+        when this decode step may run attention natively over the pool in place with no shared-
+        prefix pass (see kernels/decode_stack.py); None when it must go through `forward`."""
+        return None
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -31,7 +31,9 @@ from .user_cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "decode_stack.c", CSRC / "q8_matmul.c", CSRC / "thread_pool.c")
+HEADERS = (CSRC / "cpu_kernels.h", CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "RADIX_BACKEND_NATIVE"
 
@@ -41,6 +43,9 @@ _SIGNATURES = {
     "rb_add_rms_norm": ([_P, _P, _P, _I, _I, _F, _P, _P], None),
     "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
     "rb_silu_and_mul": ([_P, _I, _I, _P], None),
+    "rb_q4_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
+    "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
+    "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I], ctypes.c_int),
 }
 
 
@@ -65,7 +70,8 @@ def _compiler() -> str | None:
 def build(compiler: str, out_dir: Path) -> Path:
     """Compile the kernels into `out_dir` (reused when the same build exists) and return the path."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_identity()]).encode())
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_identity()]).encode())
     target = out_dir / f"rb_cpu_kernels_{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -73,7 +79,7 @@ def build(compiler: str, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+        result = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")

@@ -3,12 +3,15 @@
 Batch-1 decode reads every weight once per token, so bytes per weight set its speed. Two layers:
 
 - `Int4Linear`: 4-bit codes with a scale and a minimum per group of 32 input features, i.e.
-  GGUF's Q4_1 block (w = d * q + m, q in 0..15). It runs `aten._weight_int4pack_mm_for_cpu`, whose
-  weights are (q - 8) * scale + zero, so zero = m + 8 * d. The kernel takes bf16 activations and
-  bf16 scale/zero (its fp32/fp16 paths are unvectorized and ~30x slower), so it computes with the
-  codes exactly and with scale/zero rounded to bf16; the result is cast back to the input dtype.
-- `Int8Linear`: 8-bit codes with one scale per output row (`aten._weight_int8pack_mm`, bf16
-  activations): the LM head of a GGUF model (stored as Q8_0) and the int8 option for fp checkpoints.
+  GGUF's Q4_1 block (w = d * q + m, q in 0..15). Where the native kernels build (`native.py`) it
+  runs our own 4-bit kernel (`decode_stack.q4_matmul`: the exact fp16 scale/minimum, integer dot
+  products on 16-bit activations, ~2e-5 relative error, and about twice torch's speed at one row).
+  Elsewhere it runs `aten._weight_int4pack_mm_for_cpu`, whose weights are (q - 8) * scale + zero,
+  so zero = m + 8 * d; that kernel takes bf16 activations and bf16 scale/zero (its fp32/fp16 paths
+  are unvectorized and ~30x slower), ~4e-3 relative error; the result is cast back to the input dtype.
+- `Int8Linear`: 8-bit codes: natively in GGUF's Q8_0 layout (an fp16 scale per 32 weights, exact
+  for a GGUF's Q8_0 head; `q8.py`), else one scale per output row for `aten._weight_int8pack_mm`
+  (bf16 activations). The LM head of a GGUF model and the int8 option for fp checkpoints.
 
 Both kernels read few bytes but compute slowly, so they win only for a few rows (decode of a
 small batch). Prefill and large decode batches run a dense GEMM on the same dequantized weights,
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import decode_stack, native, q8
 
 GROUP_SIZE = 32
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
@@ -99,6 +104,7 @@ class _LowBitLinear(nn.Module):
         self.register_buffer("dense_weight", None if dense_weight is None else dense_weight.contiguous())
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] in the caller's dtype -> [M, N] (any float dtype)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,39 +112,60 @@ class _LowBitLinear(nn.Module):
         if self.dense_weight is not None and flat.shape[0] > self.small_batch_rows:
             out = F.linear(flat.to(self.dense_weight.dtype), self.dense_weight)
         else:
-            out = self._low_bit(flat.to(KERNEL_DTYPE))
+            out = self._low_bit(flat)
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
 
 class Int4Linear(_LowBitLinear):
-    """Weights held as packed 4-bit codes with a bf16 scale and zero per group of 32."""
+    """Weights held as packed 4-bit codes with a scale and a minimum (or zero) per group of 32:
+    in the native kernel's layout where it builds (`native_q4`), else in torch's int4pack one."""
 
     small_batch_rows = SMALL_BATCH_ROWS
 
-    def __init__(self, q: Int4Codes, bias: torch.Tensor | None = None, dense_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, q: Int4Codes, bias: torch.Tensor | None = None, dense_dtype: torch.dtype | None = None,
+                 use_native: bool = True) -> None:
         super().__init__(q.codes.shape, bias, None if dense_dtype is None else q.dequantize().to(dense_dtype))
+        self.native_q4 = None
+        if use_native and native.available() and decode_stack.can_pack(q.codes, q.scale, q.minimum):
+            self.native_q4 = decode_stack.pack_q4(q.codes, q.scale, q.minimum)
+            self.register_buffer("native_codes", self.native_q4.codes)  # counted in the model's buffers
+            self.register_buffer("native_params", self.native_q4.params)
+            return
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.codes, 1))
         zero = q.minimum + 8 * q.scale  # the kernel dequantizes (q - 8) * scale + zero
         scales_and_zeros = torch.stack([q.scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(KERNEL_DTYPE))
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        if self.native_q4 is not None:
+            return decode_stack.q4_matmul(x, self.native_q4, threads=torch.get_num_threads())
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, GROUP_SIZE,
+                                                          self.scales_and_zeros)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{GROUP_SIZE}"
+        kernel = "native" if self.native_q4 is not None else "torch int4pack"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 g{GROUP_SIZE} ({kernel})"
 
 
 class Int8Linear(_LowBitLinear):
-    """Weights held as int8 codes with one bf16 scale per output row."""
+    """Weights held as int8 codes: natively in GGUF's Q8_0 layout (an fp16 scale per 32 weights of a
+    row, `q8.py`) where the native kernels build, else with one bf16 scale per row for torch's kernel."""
 
     # torch's int8 kernel slows down faster with rows than the int4 one (SmolLM2's 49152x576 head:
     # 2.9 ms at 1 row, 5.6 at 8, 25 at 32, against ~9 ms for the bf16 dense copy at 32)
     small_batch_rows = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 dense_dtype: torch.dtype | None = None) -> None:
+                 dense_dtype: torch.dtype | None = None, use_native: bool = True) -> None:
+        self.native_q8 = None
+        if use_native and native.available() and weight.shape[1] % q8.GROUP_SIZE == 0:
+            packed = q8.q8_0_codes(weight)
+            super().__init__(packed.codes.shape, bias, None if dense_dtype is None else packed.dequantize().to(dense_dtype))
+            self.native_q8 = packed
+            self.register_buffer("codes", packed.codes)
+            self.register_buffer("scale", packed.scales)
+            return
         codes, scale = int8_rows(weight)
         dense = None if dense_dtype is None else (codes.float() * scale[:, None]).to(dense_dtype)
         super().__init__(codes.shape, bias, dense)
@@ -146,10 +173,13 @@ class Int8Linear(_LowBitLinear):
         self.register_buffer("scale", scale.to(KERNEL_DTYPE))
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        if self.native_q8 is not None:
+            return q8.q8_matmul(x, self.native_q8, threads=torch.get_num_threads())
+        return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.codes, self.scale)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-row"
+        layout = "Q8_0 g32 (native)" if self.native_q8 is not None else "per-row (torch)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {layout}"
 
 
 def _best_time(fn, repeats: int = 5, inner: int = 10) -> float:
@@ -183,8 +213,8 @@ def int4_kernel_speedup(layers: int = 10, rows: int = 3072, cols: int = 576) -> 
     try:
         weights = [torch.randn(rows, cols) for _ in range(layers)]
         groups = (rows, cols // GROUP_SIZE)
-        codes = Int4Codes(torch.randint(0, 16, (rows, cols), dtype=torch.int32), torch.rand(groups),
-                          -torch.rand(groups), exact=True)
+        codes = Int4Codes(torch.randint(0, 16, (rows, cols), dtype=torch.int32), torch.rand(groups).half().float(),
+                          -torch.rand(groups).half().float(), exact=True)  # fp16 scales, as GGUF's
         quantized = [Int4Linear(codes) for _ in range(layers)]
         x = torch.randn(1, cols)
         quantized[0](x)

@@ -74,6 +74,12 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             self.decode_kv.reset()  # an extend may rewrite slots the buffer copied
 
+    def native_decode_slots(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        plan = self._plan
+        if self._plan_meta is not meta or plan is None or plan.native_lens is None or plan.groups:
+            return None
+        return plan.native_starts, plan.native_lens
+
     def _buffered(self, meta: AttentionMetadata, plan: _Plan) -> bool:
         """Decode steps that gather enough K/V for the buffer to pay for its extra small ops."""
         return meta.is_decode and plan.key_slots is not None and plan.key_slots.numel() >= self.min_buffered_keys

@@ -39,6 +39,7 @@ class QuantizationReport:
     lossless: bool = False
     weight_bytes: int = 0  # read by a small-batch decode step (the low-bit copies)
     dense_dtype: torch.dtype | None = None  # of the dense copy large batches run on (None: no quantization)
+    decode_stack: bool = False  # small decode steps run every layer in one native call
 
 
 def default_quantization() -> str:
@@ -73,6 +74,7 @@ def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torc
         report.lossless = bool(exact) and all(exact)
         # the LM head as int8 rows (GGUF stores it as Q8_0); the fp embedding table stays for lookups
         model.lm_head_quant = quant.Int8Linear(model.lm_head_weight, dense_dtype=report.dense_dtype)
+        report.decode_stack = model.build_decode_stack()
     report.weight_bytes = weight_bytes(model)
     return report
 

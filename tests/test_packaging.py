@@ -139,7 +139,8 @@ def test_wheel_layout(wheel: Path, source: Path) -> None:
                 missing.append(f"{src_dir}/{rel}")
     assert not missing, f"source modules missing from the wheel (add their packages to pyproject): {missing}"
     # data files the code reads at run time
-    assert "radix_backend/kernels/csrc/cpu_kernels.c" in names, "the native kernels' C source is not packaged"
+    for c_file in ("cpu_kernels.c", "cpu_kernels.h", "decode_stack.c"):
+        assert f"radix_backend/kernels/csrc/{c_file}" in names, f"the native kernels' C source {c_file} is not packaged"
 
 
 def test_console_script_target_is_packaged(wheel: Path) -> None:

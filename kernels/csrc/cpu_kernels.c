@@ -6,6 +6,8 @@
    small element-wise ops. Plain C (no Python or torch headers) so that it compiles in well under
    a second with the system compiler; the compiler vectorizes the `omp simd` loops for the CPU it
    runs on (-march=native). */
+#include "cpu_kernels.h"
+
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>

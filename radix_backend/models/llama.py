@@ -13,6 +13,7 @@ replicated: the simplest correct choice, and for the small vocabularies here the
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -21,6 +22,14 @@ from torch import nn
 
 from radix_backend.kernels import ops
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
+from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights
+from radix_backend.kernels.quant import SMALL_BATCH_ROWS
+
+# Decode steps of up to this many tokens run the whole stack in one native call when the model
+# has one (`build_decode_stack`): faster than the per-layer path at every batch from 1 to 16
+# (SmolLM2, 2-core EPYC: 6-10 vs 15-17 ms at 1, 50-64 vs 61-68 ms at 16; BENCHMARKS.md); larger
+# steps take the dense GEMM copy, as the per-layer linears do past the same row count.
+DECODE_STACK_MAX_TOKENS = SMALL_BATCH_ROWS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -179,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
         # Intra-op threads for the LM head when the caller runs the rest of a small step on fewer
         # (0: as the caller set). The head is one large matmul, where more threads pay off.
         self.head_threads = 0
+        self.decode_stack: DecodeStack | None = None  # set by `build_decode_stack` (4-bit CPU models)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -190,9 +200,15 @@ class LlamaForCausalLM(nn.Module):
         backend.begin_forward(meta)
         cos_sin = self.cos_sin_cache
         hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, positions, cos_sin, kv, backend, meta)
+        stack = self.decode_stack
+        if (stack is not None and input_ids.shape[0] <= DECODE_STACK_MAX_TOKENS
+                and (slots := backend.native_decode_slots(meta)) is not None and stack.bind(kv_caches)):
+            threads = self.head_threads or torch.get_num_threads()  # the step's thread budget
+            hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads)
+        else:
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches):
+                hidden, residual = layer(hidden, residual, positions, cos_sin, kv, backend, meta)
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
         hidden, _ = self.norm(hidden, residual)
@@ -204,6 +220,29 @@ class LlamaForCausalLM(nn.Module):
             return self._lm_head(hidden)
         finally:
             torch.set_num_threads(threads)
+
+    def build_decode_stack(self) -> bool:
+        """Let small decode steps run every layer in one native call (kernels/decode_stack.py):
+        possible when every linear holds natively packed 4-bit weights and the layers are plain
+        Llama ones (no q/k norms, one process). Returns whether it was set up."""
+        attn = self.layers[0].self_attn
+        if attn.qk_norm or self.tp_size != 1:
+            return False
+        linears = [(layer, [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                            layer.mlp.down_proj]) for layer in self.layers]
+        if not all(getattr(lin, "native_q4", None) is not None for _, lins in linears for lin in lins):
+            return False
+        weights = []
+        for layer, lins in linears:
+            packed = [dataclasses.replace(lin.native_q4, bias=None if lin.bias is None else lin.bias.detach().float())
+                      for lin in lins]
+            weights.append(LayerWeights(layer.input_layernorm.weight.detach().float().contiguous(),
+                                        layer.post_attention_layernorm.weight.detach().float().contiguous(),
+                                        *packed))
+        self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                                        head_dim=attn.head_dim, eps=self.layers[0].input_layernorm.eps,
+                                        scale=attn.scale, cos_sin=self.cos_sin_cache.float())
+        return True
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_quant is not None:

@@ -1,0 +1,16 @@
+/* The fp32 kernels of cpu_kernels.c, shared with the fused decode step (decode_stack.c). */
+#ifndef RB_CPU_KERNELS_H
+#define RB_CPU_KERNELS_H
+#include <stdint.h>
+
+int rb_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                        const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
+                        int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale,
+                        float *out, float *lse, int64_t threads);
+void rb_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t rows, int64_t dim,
+                     float eps, float *out, float *out_residual);
+void rb_rope(const float *x, int64_t x_stride, int64_t tokens, int64_t heads, int64_t dim,
+             const int64_t *positions, const float *cos_sin, int64_t rot, float *out);
+void rb_silu_and_mul(const float *x, int64_t rows, int64_t d, float *out);
+
+#endif
