@@ -67,11 +67,12 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-def build(compiler: str, out_dir: Path) -> Path:
-    """Compile the kernels into `out_dir` (reused when the same build exists) and return the path."""
+def build(compiler: str, out_dir: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Compile the kernels into `out_dir` (reused when the same build exists) and return the path.
+    `flags` other than FLAGS serve the tests, which build the AVX2 and portable code paths too."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version, _cpu_identity()]).encode())
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_identity()]).encode())
     target = out_dir / f"rb_cpu_kernels_{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -79,7 +80,7 @@ def build(compiler: str, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
+        result = subprocess.run([compiler, *flags, "-o", tmp, *map(str, SOURCES), "-lm"],
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
@@ -104,6 +105,11 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("native CPU kernels unavailable, torch ops used: %s", exc)
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the argument and result types of the kernels on a loaded library."""
     for name, (argtypes, restype) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, restype

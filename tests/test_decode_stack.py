@@ -3,7 +3,9 @@ q8_matmul.c, thread_pool.c) against float64 references and against the per-layer
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import platform
 import threading
 
 import pytest
@@ -183,3 +185,24 @@ def test_smollm2_decode_runs_the_stack_and_tracks_fp32(monkeypatch):
     assert cold == warm
     agree = sum(a == b for x, y in zip(cold, fp32) for a, b in zip(x, y)) / sum(map(len, fp32))
     assert agree > 0.5  # measured on the workloads against vLLM's fp32 in BENCHMARKS.md
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_other_instruction_sets_compute_the_same(tmp_path, march):
+    """The CPU varies between machines: the AVX2-without-VNNI path (haswell) and the portable C
+    path (x86-64) give this machine's results up to float summation order."""
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native.FLAGS)
+    try:
+        lib = native.declare(ctypes.CDLL(str(native.build(native._compiler(), tmp_path, flags))))
+    except OSError as exc:  # built for a CPU feature this one lacks (haswell on a pre-AVX2 CPU)
+        pytest.skip(f"cannot load the {march} build here: {exc}")
+    q = random_q4(64, 192, seed=9)
+    packed4 = decode_stack.pack_q4(q.codes, q.scale, q.minimum, torch.randn(64))
+    packed8 = q8.q8_0_codes(torch.randn(48, 192, generator=torch.Generator().manual_seed(10)))
+    x = torch.randn(6, 192, generator=torch.Generator().manual_seed(11))
+    got4, got8 = torch.empty(6, 64), torch.empty(6, 48)
+    assert lib.rb_q4_matmul(ctypes.byref(packed4.as_struct()), x.data_ptr(), 6, got4.data_ptr(), 2) == 0
+    assert lib.rb_q8_matmul(ctypes.byref(packed8.as_struct()), x.data_ptr(), 6, got8.data_ptr(), 2) == 0
+    torch.testing.assert_close(got4, decode_stack.q4_matmul(x, packed4), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got8, q8.q8_matmul(x, packed8), rtol=1e-5, atol=1e-5)

@@ -88,11 +88,9 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* int32 lanes 0-3: row r's exact sum_j code_j * q_j in parts, lanes 4-7: row r + 1's */
-static inline __m256i two_rows_dot(const uint8_t *codes, const q16_group *x) {
-    const __m256i packed = _mm256_loadu_si256((const __m256i *)codes), nibble = _mm256_set1_epi8(15);
-    const __m256i first = _mm256_and_si256(packed, nibble);
-    const __m256i second = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+/* int32 lanes 0-3: row r's exact sum_j code_j * q_j, lanes 4-7: row r + 1's; `first` / `second`
+   hold the two rows' codes 0-15 / 16-31 of the group */
+static inline __m256i two_rows_dot(__m256i first, __m256i second, const q16_group *x) {
     __m256i t = dot_u8s8(_mm256_setzero_si256(), first, _mm256_loadu_si256((const __m256i *)x->high_first));
     t = dot_u8s8(t, second, _mm256_loadu_si256((const __m256i *)x->high_second));
     t = _mm256_slli_epi32(t, 8);
@@ -105,35 +103,62 @@ static inline float sum_lanes4(__m128 v) {
     return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
-/* out[r] for the 4 rows of one block and one activation row */
-static inline void q4_block(const uint8_t *codes, const _Float16 *params, const q16_rows *x, int64_t row,
-                            int64_t groups, float out[Q4_ROWS]) {
-    __m256 acc01 = _mm256_setzero_ps(), acc23 = _mm256_setzero_ps();
-    __m128 offset = _mm_setzero_ps();
+/* out[i][r] for the 4 weight rows of one block and activation rows row0 .. row0 + R - 1: each
+   group's codes are unpacked once for all R rows (R is a constant after inlining) */
+static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
+                                                          const q16_rows *x, int64_t row0, int64_t groups,
+                                                          float out[][Q4_ROWS], const int R) {
+    __m256 acc01[4], acc23[4];
+    __m128 offset[4];
+    for (int i = 0; i < R; i++) acc01[i] = acc23[i] = _mm256_setzero_ps(), offset[i] = _mm_setzero_ps();
     const __m256i rows01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), rows23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256i nibble = _mm256_set1_epi8(15);
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t at = row * groups + g;
         const __m256 p = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS)));
-        const __m256 scales = _mm256_mul_ps(p, _mm256_set1_ps(x->scale[at])); /* lanes 0-3 */
-        offset = _mm_fmadd_ps(_mm256_extractf128_ps(p, 1), _mm_set1_ps(x->sum[at]), offset);
-        const uint8_t *gc = codes + g * Q4_ROWS * 16;
-        acc01 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(two_rows_dot(gc, x->groups + at)),
-                                _mm256_permutevar8x32_ps(scales, rows01), acc01);
-        acc23 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(two_rows_dot(gc + 32, x->groups + at)),
-                                _mm256_permutevar8x32_ps(scales, rows23), acc23);
+        const __m128 minimums = _mm256_extractf128_ps(p, 1);
+        const __m256i c01 = _mm256_loadu_si256((const __m256i *)(codes + g * Q4_ROWS * 16));
+        const __m256i c23 = _mm256_loadu_si256((const __m256i *)(codes + g * Q4_ROWS * 16 + 32));
+        const __m256i first01 = _mm256_and_si256(c01, nibble), second01 = _mm256_and_si256(_mm256_srli_epi16(c01, 4), nibble);
+        const __m256i first23 = _mm256_and_si256(c23, nibble), second23 = _mm256_and_si256(_mm256_srli_epi16(c23, 4), nibble);
+        for (int i = 0; i < R; i++) {
+            const int64_t at = (row0 + i) * groups + g;
+            const __m256 scales = _mm256_mul_ps(p, _mm256_set1_ps(x->scale[at])); /* lanes 0-3 */
+            offset[i] = _mm_fmadd_ps(minimums, _mm_set1_ps(x->sum[at]), offset[i]);
+            acc01[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(two_rows_dot(first01, second01, x->groups + at)),
+                                       _mm256_permutevar8x32_ps(scales, rows01), acc01[i]);
+            acc23[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(two_rows_dot(first23, second23, x->groups + at)),
+                                       _mm256_permutevar8x32_ps(scales, rows23), acc23[i]);
+        }
     }
-    float off[4];
-    _mm_storeu_ps(off, offset);
-    out[0] = sum_lanes4(_mm256_castps256_ps128(acc01)) + off[0];
-    out[1] = sum_lanes4(_mm256_extractf128_ps(acc01, 1)) + off[1];
-    out[2] = sum_lanes4(_mm256_castps256_ps128(acc23)) + off[2];
-    out[3] = sum_lanes4(_mm256_extractf128_ps(acc23, 1)) + off[3];
+    for (int i = 0; i < R; i++) {
+        float off[4];
+        _mm_storeu_ps(off, offset[i]);
+        out[i][0] = sum_lanes4(_mm256_castps256_ps128(acc01[i])) + off[0];
+        out[i][1] = sum_lanes4(_mm256_extractf128_ps(acc01[i], 1)) + off[1];
+        out[i][2] = sum_lanes4(_mm256_castps256_ps128(acc23[i])) + off[2];
+        out[i][3] = sum_lanes4(_mm256_extractf128_ps(acc23[i], 1)) + off[3];
+    }
+}
+
+#define Q4_TILE 4 /* activation rows per pass over a block's codes */
+
+static void q4_rows(const uint8_t *codes, const _Float16 *params, const q16_rows *x, int64_t row0, int64_t rows,
+                    int64_t groups, float out[][Q4_ROWS]) {
+    switch (rows) {
+    case 1: q4_tile(codes, params, x, row0, groups, out, 1); break;
+    case 2: q4_tile(codes, params, x, row0, groups, out, 2); break;
+    case 3: q4_tile(codes, params, x, row0, groups, out, 3); break;
+    default: q4_tile(codes, params, x, row0, groups, out, 4); break;
+    }
 }
 #else
+#define Q4_TILE 1
+
 /* portable: the same integer arithmetic, one product at a time */
-static inline void q4_block(const uint8_t *codes, const _Float16 *params, const q16_rows *x, int64_t row,
-                            int64_t groups, float out[Q4_ROWS]) {
-    for (int r = 0; r < Q4_ROWS; r++) out[r] = 0.f;
+static void q4_rows(const uint8_t *codes, const _Float16 *params, const q16_rows *x, int64_t row,
+                    int64_t rows, int64_t groups, float out[][Q4_ROWS]) {
+    (void)rows; /* always 1 (Q4_TILE) */
+    for (int r = 0; r < Q4_ROWS; r++) out[0][r] = 0.f;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t at = row * groups + g;
         const q16_group *d = x->groups + at;
@@ -146,7 +171,7 @@ static inline void q4_block(const uint8_t *codes, const _Float16 *params, const 
                      + second * (256 * d->high_second[j] + d->low_second[j]);
             }
             const float scale = (float)params[g * 2 * Q4_ROWS + r], minimum = (float)params[g * 2 * Q4_ROWS + Q4_ROWS + r];
-            out[r] += scale * x->scale[at] * (float)dot + minimum * x->sum[at];
+            out[0][r] += scale * x->scale[at] * (float)dot + minimum * x->sum[at];
         }
     }
 }
@@ -159,11 +184,15 @@ static void q4_matmul_blocks(const rb_q4_weight *w, const q16_rows *x, int64_t M
     for (int64_t block = first; block < last; block++) {
         const uint8_t *codes = w->codes + block * groups * Q4_ROWS * 16;
         const _Float16 *params = w->params + block * groups * 2 * Q4_ROWS;
-        for (int64_t m = 0; m < M; m++) {
-            float out[Q4_ROWS];
-            q4_block(codes, params, x, m, groups, out);
-            float *ym = y + m * w->out + block * Q4_ROWS;
-            for (int r = 0; r < Q4_ROWS; r++) ym[r] = out[r] + (w->bias ? w->bias[block * Q4_ROWS + r] : 0.f);
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_TILE) {
+            const int64_t rows = M - m0 < Q4_TILE ? M - m0 : Q4_TILE;
+            float out[Q4_TILE][Q4_ROWS];
+            q4_rows(codes, params, x, m0, rows, groups, out);
+            for (int64_t i = 0; i < rows; i++) {
+                float *ym = y + (m0 + i) * w->out + block * Q4_ROWS;
+                for (int r = 0; r < Q4_ROWS; r++)
+                    ym[r] = out[i][r] + (w->bias ? w->bias[block * Q4_ROWS + r] : 0.f);
+            }
         }
     }
 }

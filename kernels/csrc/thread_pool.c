@@ -30,7 +30,8 @@ static struct {
     rb_parallel_fn fn;
     void *ctx;
     int64_t parts;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+} pool = {.caller = PTHREAD_MUTEX_INITIALIZER, .sleep_lock = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER};
 
 /* the generation current when helper i was created: its first loop is the next one */
 static uint64_t birth_generation[POOL_MAX];
