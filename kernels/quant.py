@@ -199,9 +199,11 @@ def dense_dtype_for_large_batches(rows: int = 64, out_features: int = 1536, in_f
     fp32 (on AVX2-only CPUs bf16 GEMM is emulated and ~40x slower). Timed once, a few ms."""
     weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
     wb, xb = weight.bfloat16(), x.bfloat16()
-    fp32 = _best_time(lambda: F.linear(x, weight))
-    bf16 = _best_time(lambda: F.linear(xb, wb))
-    return torch.bfloat16 if bf16 * 1.5 < fp32 else torch.float32
+    # median of alternating rounds, as in int4_kernel_speedup: load from another process slows
+    # whichever runs during it, and a wrong fp32 choice would cost 2-3x on every prefill
+    ratios = sorted(_best_time(lambda: F.linear(x, weight), repeats=2) / _best_time(lambda: F.linear(xb, wb), repeats=2)
+                    for _ in range(5))
+    return torch.bfloat16 if ratios[len(ratios) // 2] > 1.5 else torch.float32
 
 
 @functools.lru_cache(maxsize=1)

@@ -50,6 +50,23 @@ def test_decode_attention_reads_the_pool_in_place(hq, hkv, dim, threads):
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lens,threads", [([1500], 2), ([1500], 4), ([700, 900], 4), ([300, 40], 4)])
+def test_decode_attention_splits_long_requests_over_threads(lens, threads):
+    """Fewer requests than threads: each long request's keys are attended in pieces on the pool's
+    threads and merged by their log-sum-exps; the result is the one-piece result."""
+    gen = torch.Generator().manual_seed(sum(lens))
+    k_cache, v_cache = torch.randn(4000, 3, 64, generator=gen), torch.randn(4000, 3, 64, generator=gen)
+    order = torch.randperm(3999, generator=gen).add(1)
+    slot_lists = [order[sum(lens[:i]):sum(lens[:i + 1])] for i in range(len(lens))]
+    starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    out, lse = native.decode_attention(q, k_cache, v_cache, torch.cat(slot_lists), starts, torch.tensor(lens), 0.125,
+                                       with_lse=True, threads=threads)
+    ref_out, ref_lse = reference_decode(q, k_cache, v_cache, slot_lists, 0.125)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_attention_survives_extreme_scores():
     """Softmax after the max: large logits neither overflow nor underflow to NaN."""
     k_cache = torch.zeros(8, 1, 64)

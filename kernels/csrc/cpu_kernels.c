@@ -7,15 +7,16 @@
    a second with the system compiler; the compiler vectorizes the `omp simd` loops for the CPU it
    runs on (-march=native). */
 #include "cpu_kernels.h"
+#include "thread_pool.h"
 
 #include <math.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_THREADS 64
 #define PREFETCH_AHEAD 4 /* key rows */
+#define SPLIT_MIN_KEYS 256 /* a request's keys are split over threads only in pieces at least this long */
 
 /* exp(x) for x <= 0 (softmax after subtracting the max), written so loops over it vectorize:
    exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2/2, exp(r) by its degree-7 Taylor
@@ -47,8 +48,7 @@ typedef struct {
     int64_t batch, hkv, group, dim;
     float scale;
     float *out, *lse;
-    int64_t first, last; /* this worker's requests [first, last) */
-    int failed;
+    _Atomic int failed;
 } decode_job;
 
 /* One request: all its query heads against its keys, reading each K/V row of the pool once. */
@@ -108,44 +108,81 @@ static void decode_request(const decode_job *a, int64_t b, float *scores) {
     }
 }
 
-static void *decode_worker(void *arg) {
-    decode_job *a = (decode_job *)arg;
+/* requests [batch * part / parts, batch * (part + 1) / parts) of the job */
+static void decode_part(void *ctx, int64_t part, int64_t parts) {
+    decode_job *a = (decode_job *)ctx;
+    const int64_t first = a->batch * part / parts, last = a->batch * (part + 1) / parts;
     int64_t longest = 1;
-    for (int64_t b = a->first; b < a->last; b++) longest = a->lens[b] > longest ? a->lens[b] : longest;
+    for (int64_t b = first; b < last; b++) longest = a->lens[b] > longest ? a->lens[b] : longest;
     float *scores = (float *)malloc(sizeof(float) * a->hkv * a->group * longest);
-    if (!scores) { a->failed = 1; return NULL; }
-    for (int64_t b = a->first; b < a->last; b++) decode_request(a, b, scores);
+    if (!scores) {
+        a->failed = 1;
+        return;
+    }
+    for (int64_t b = first; b < last; b++) decode_request(a, b, scores);
     free(scores);
-    return NULL;
+}
+
+/* Fewer requests than threads: each request's keys in `chunks` pieces, attended as separate
+   requests into scratch, then merged by their log-sum-exps (flash-decoding's split-K). */
+static int decode_split_keys(const decode_job *a, int64_t chunks, int64_t threads) {
+    const int64_t B = a->batch, H = a->hkv * a->group, D = a->dim, V = B * chunks;
+    float *buf = (float *)malloc(sizeof(float) * (2 * V * H * D + V * H) + sizeof(int64_t) * 2 * V);
+    if (!buf) return -1;
+    float *vq = buf, *vout = vq + V * H * D, *vlse = vout + V * H * D;
+    int64_t *vstarts = (int64_t *)(vlse + V * H), *vlens = vstarts + V;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t v = b * chunks + c, from = a->lens[b] * c / chunks, to = a->lens[b] * (c + 1) / chunks;
+            memcpy(vq + v * H * D, a->q + b * H * D, sizeof(float) * H * D);
+            vstarts[v] = a->starts[b] + from;
+            vlens[v] = to - from;
+        }
+    decode_job split = {vq, a->k_cache, a->v_cache, a->kv_indices, vstarts, vlens, V, a->hkv, a->group, D,
+                        a->scale, vout, vlse, 0};
+    rb_parallel(decode_part, &split, threads);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            float m = -INFINITY, total = 0.f;
+            for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, vlse[(b * chunks + c) * H + h]);
+            float *o = a->out + (b * H + h) * D;
+            memset(o, 0, sizeof(float) * D);
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t v = b * chunks + c;
+                const float w = expf(vlse[v * H + h] - m);
+                const float *ov = vout + (v * H + h) * D;
+                total += w;
+                for (int64_t d = 0; d < D; d++) o[d] += w * ov[d];
+            }
+            for (int64_t d = 0; d < D; d++) o[d] /= total;
+            if (a->lse) a->lse[b * H + h] = m + logf(total);
+        }
+    const int failed = split.failed;
+    free(buf);
+    return failed ? -1 : 0;
 }
 
 /* One query token per request. Request b attends to the keys at pool slots
    kv_indices[starts[b] : starts[b] + lens[b]] (lens[b] >= 1).
    q, out: [B, Hkv * G, D]; k_cache, v_cache: [slots, Hkv, D]; lse: [B, Hkv * G] or NULL.
-   Requests are split over `threads` threads. Returns 0, or -1 if memory ran out. */
+   Up to `threads` threads (the pool's) share the work: whole requests when there are enough of
+   them, else each request's keys split in pieces of at least SPLIT_MIN_KEYS. Returns 0, or -1 if
+   memory ran out. */
 int rb_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                         const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
                         int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale,
                         float *out, float *lse, int64_t threads) {
-    if (threads > batch) threads = batch;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
-    decode_job jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    for (int64_t t = 0; t < threads; t++)
-        jobs[t] = (decode_job){q, k_cache, v_cache, kv_indices, starts, lens, batch, hkv, group, dim, scale,
-                               out, lse, batch * t / threads, batch * (t + 1) / threads, 0};
-    for (int64_t t = 1; t < threads; t++) started[t] = pthread_create(&tids[t], NULL, decode_worker, &jobs[t]) == 0;
-    for (int64_t t = 1; t < threads; t++)
-        if (!started[t]) decode_worker(&jobs[t]); /* no thread: do its share here */
-    decode_worker(&jobs[0]);
-    int failed = jobs[0].failed;
-    for (int64_t t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        failed |= jobs[t].failed;
+    decode_job job = {q, k_cache, v_cache, kv_indices, starts, lens, batch, hkv, group, dim, scale, out, lse, 0};
+    if (threads > batch) {
+        int64_t shortest = lens[0];
+        for (int64_t b = 1; b < batch; b++) shortest = lens[b] < shortest ? lens[b] : shortest;
+        int64_t chunks = (threads + batch - 1) / batch;
+        if (chunks > shortest / SPLIT_MIN_KEYS) chunks = shortest / SPLIT_MIN_KEYS;
+        if (chunks > 1) return decode_split_keys(&job, chunks, threads);
+        threads = batch;
     }
-    return failed ? -1 : 0;
+    rb_parallel(decode_part, &job, threads < 1 ? 1 : threads);
+    return job.failed ? -1 : 0;
 }
 
 /* out_residual = x + residual (x may be NULL: out_residual unused, residual normalized as is);

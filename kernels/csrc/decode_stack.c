@@ -254,8 +254,8 @@ typedef struct {
    at pool slot out_slots[t], and attends to the slots kv_indices[starts[t] : starts[t] + lens[t]]
    (its own slot included). residual: in, the embeddings [T, hidden]; out, the residual stream
    before the last layer's MLP output, which goes to `hidden` [T, hidden] (the model's final norm
-   adds the two). The linears split their rows over `threads` threads. Returns 0, or -1 if memory
-   ran out. */
+   adds the two). The linears split their rows, and attention its requests (or a long request's
+   keys), over `threads` threads. Returns 0, or -1 if memory ran out. */
 int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_decoder_dims *d, int64_t T,
                     const int64_t *positions, const int64_t *out_slots, const int64_t *kv_indices,
                     const int64_t *starts, const int64_t *lens, float *residual, float *hidden, int64_t threads) {
@@ -283,7 +283,7 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             memcpy(L->v_cache + out_slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
         rc = rb_decode_attention(q, L->k_cache, L->v_cache, kv_indices, starts, lens, T, d->kv_heads,
-                                 d->heads / d->kv_heads, D, d->scale, attn, NULL, 1);
+                                 d->heads / d->kv_heads, D, d->scale, attn, NULL, threads);
         q4_linear(&L->o, attn, T, &quantized, hidden, threads);
         rb_add_rms_norm(hidden, residual, L->post_norm, T, H, d->eps, normed, residual);
         q4_linear(&L->gate_up, normed, T, &quantized, gate_up, threads);

@@ -27,7 +27,7 @@ from radix_backend.kernels.quant import SMALL_BATCH_ROWS
 
 # Decode steps of up to this many tokens run the whole stack in one native call when the model
 # has one (`build_decode_stack`): faster than the per-layer path at every batch from 1 to 16
-# (SmolLM2, 2-core EPYC: 6-10 vs 15-17 ms at 1, 50-64 vs 61-68 ms at 16; BENCHMARKS.md); larger
+# (SmolLM2, 2-core EPYC, ms per step: 5.5-5.9 vs 10.9-14.0 at 1, 55-56 vs 64-70 at 16; BENCHMARKS.md); larger
 # steps take the dense GEMM copy, as the per-layer linears do past the same row count.
 DECODE_STACK_MAX_TOKENS = SMALL_BATCH_ROWS
 
