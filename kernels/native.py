@@ -43,6 +43,7 @@ _SIGNATURES = {
     "rb_add_rms_norm": ([_P, _P, _P, _I, _I, _F, _P, _P], None),
     "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
     "rb_silu_and_mul": ([_P, _I, _I, _P], None),
+    "rb_silu_and_mul_bf16": ([_P, _I, _I, _P], None),
     "rb_q4_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
     "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
     "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I], ctypes.c_int),
@@ -120,10 +121,11 @@ def available() -> bool:
     return library() is not None
 
 
-def supports(*tensors: torch.Tensor) -> bool:
-    """True when the kernels can run on these tensors: fp32 on the CPU, and the library loaded."""
+def supports(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """True when the kernels can run on these tensors: CPU tensors of `dtypes` (most kernels are
+    fp32 only), and the library loaded."""
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu":
+        if t.dtype not in dtypes or t.device.type != "cpu":
             return False
     return available()
 
@@ -180,8 +182,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) 
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """fp32 or bf16 x [..., 2d]; computed in fp32 either way, returned in x's dtype."""
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    library().rb_silu_and_mul(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+    kernel = library().rb_silu_and_mul_bf16 if x.dtype == torch.bfloat16 else library().rb_silu_and_mul
+    kernel(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
     return out

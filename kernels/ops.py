@@ -64,10 +64,17 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return fused_add_rms_norm_torch(x, residual, weight, eps)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2d] = cat(gate, up) -> silu(gate) * up, shape [..., d] (Llama MLP activation)."""
+def silu_and_mul(x: torch.Tensor, fp32_math: bool = False) -> torch.Tensor:
+    """x [..., 2d] = cat(gate, up) -> silu(gate) * up, shape [..., d] (Llama MLP activation).
+
+    `fp32_math`: compute a bf16/fp16 x in fp32 and round once (the quantized CPU path, whose dense
+    bf16 GEMMs hand bf16 to each other); default: the dtype's own arithmetic, as HF computes."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dim (gate and up halves), got {x.shape[-1]}")
+    if fp32_math and x.dtype != torch.float32:
+        if native.supports(x, dtypes=(torch.bfloat16,)):
+            return native.silu_and_mul(x)
+        return silu_and_mul(x.float()).to(x.dtype)
     if _use_triton(x):
         from . import triton_ops
         return triton_ops.silu_and_mul(x)

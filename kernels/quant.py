@@ -96,6 +96,9 @@ class _LowBitLinear(nn.Module):
     `dense_dtype` (None: always the low-bit kernel, and no dense copy is kept)."""
 
     small_batch_rows: int
+    # True: return the dense GEMM's output in its own dtype (bf16) instead of casting it to the
+    # input's, for a caller that feeds it to another dense linear (the MLP's gate_up -> down)
+    keep_dense_dtype: bool = False
 
     def __init__(self, shape: torch.Size, bias: torch.Tensor | None, dense_weight: torch.Tensor | None) -> None:
         super().__init__()
@@ -111,10 +114,12 @@ class _LowBitLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.dense_weight is not None and flat.shape[0] > self.small_batch_rows:
             out = F.linear(flat.to(self.dense_weight.dtype), self.dense_weight)
+            if not self.keep_dense_dtype:
+                out = out.to(x.dtype)
         else:
-            out = self._low_bit(flat)
-        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias.to(x.dtype)
+            out = self._low_bit(flat).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
 class Int4Linear(_LowBitLinear):

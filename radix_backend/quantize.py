@@ -69,6 +69,7 @@ def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torc
                 layer = quant.Int4Linear(q, lin.bias, report.dense_dtype)
             else:
                 layer = quant.Int8Linear(lin.weight, lin.bias, report.dense_dtype)
+            layer.keep_dense_dtype = name.endswith("gate_up_proj")  # the MLP takes it to down_proj as is
             _replace(model, name, layer)
         report.layers = len(linears)
         report.lossless = bool(exact) and all(exact)

@@ -18,12 +18,16 @@
 #define PREFETCH_AHEAD 4 /* key rows */
 #define SPLIT_MIN_KEYS 256 /* a request's keys are split over threads only in pieces at least this long */
 
-/* exp(x) for x <= 0 (softmax after subtracting the max), written so loops over it vectorize:
-   exp(x) = 2^n * exp(r), n = round(x / ln2), |r| <= ln2/2, exp(r) by its degree-7 Taylor
-   polynomial (relative error < 2e-7, about one float ulp). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
+/* exp(x), written so loops over it vectorize: exp(x) = 2^n * exp(r), n = round(x / ln2),
+   |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial (relative error < 2e-7, about one float
+   ulp). x is clamped to [-87, 88], where 2^n stays a normal float: softmax scores after the max
+   subtraction and SiLU's exp(-gate) both live there or saturate harmlessly (0, or inf / 1e38
+   in a denominator). */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    /* round to nearest by the 1.5 * 2^23 trick: plain arithmetic, so the loop vectorizes (roundf
+       would be a library call per element) */
+    const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.f / 5040.f;
     p = p * r + 1.f / 720.f;
@@ -78,7 +82,7 @@ static inline __attribute__((always_inline)) void decode_request_dim(
         for (int64_t j = 0; j < L; j++) m = sg[j] > m ? sg[j] : m;
         float sum = 0.f;
         #pragma omp simd reduction(+:sum)
-        for (int64_t j = 0; j < L; j++) { sg[j] = exp_nonpositive(sg[j] - m); sum += sg[j]; }
+        for (int64_t j = 0; j < L; j++) { sg[j] = exp_clamped(sg[j] - m); sum += sg[j]; }
         const float inv = 1.f / sum;
         #pragma omp simd
         for (int64_t j = 0; j < L; j++) sg[j] *= inv;
@@ -230,11 +234,38 @@ void rb_rope(const float *x, int64_t x_stride, int64_t tokens, int64_t heads, in
     }
 }
 
+static inline float silu(float g) { return g / (1.f + exp_clamped(-g)); }
+
 /* x [rows, 2d] = (gate | up) -> out [rows, d] = silu(gate) * up */
 void rb_silu_and_mul(const float *x, int64_t rows, int64_t d, float *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = x + r * 2 * d, *up = gate + d;
         float *o = out + r * d;
-        for (int64_t i = 0; i < d; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+        #pragma omp simd
+        for (int64_t i = 0; i < d; i++) o[i] = silu(gate[i]) * up[i];
+    }
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
+    return v.f;
+}
+
+/* round to nearest even, as torch's float -> bfloat16 conversion */
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = { .f = f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* rb_silu_and_mul on bf16 rows: computed in fp32 exactly as the fp32 kernel (so the result is
+   the fp32 kernel's on the upcast input, rounded once), read and written as bf16 so that the
+   MLP's dense bf16 GEMMs need no casts around it */
+void rb_silu_and_mul_bf16(const uint16_t *x, int64_t rows, int64_t d, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * 2 * d, *up = gate + d;
+        uint16_t *o = out + r * d;
+        #pragma omp simd
+        for (int64_t i = 0; i < d; i++) o[i] = float_to_bf16(silu(bf16_to_float(gate[i])) * bf16_to_float(up[i]));
     }
 }

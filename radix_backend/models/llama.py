@@ -134,7 +134,11 @@ class MLP(nn.Module):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        # a quantized gate_up may hand back its dense GEMM's bf16 (no cast to x's dtype and back):
+        # then the activation is computed in fp32 as before and down_proj takes the bf16 directly
+        act = ops.silu_and_mul(gate_up, fp32_math=gate_up.dtype != x.dtype)
+        out = self.down_proj(act).to(x.dtype)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
