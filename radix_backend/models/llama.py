@@ -23,13 +23,12 @@ from torch import nn
 from radix_backend.kernels import ops
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
 from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights
-from radix_backend.kernels.quant import SMALL_BATCH_ROWS
 
 # Decode steps of up to this many tokens run the whole stack in one native call when the model
-# has one (`build_decode_stack`): faster than the per-layer path at every batch from 1 to 16
-# (SmolLM2, 2-core EPYC, ms per step: 5.5-5.9 vs 10.9-14.0 at 1, 55-56 vs 64-70 at 16; BENCHMARKS.md); larger
-# steps take the dense GEMM copy, as the per-layer linears do past the same row count.
-DECODE_STACK_MAX_TOKENS = SMALL_BATCH_ROWS
+# has one (`build_decode_stack`). Per step against the per-layer path (SmolLM2, 2-core EPYC, ms,
+# two alternating rounds): batch 1 5.5/5.9 vs 10.9/14.0, 16 43/46 vs 51/48, 24 58/56 vs 65/67,
+# 32 74/73 vs 82/78; at 48 about even (109-133 vs 105-121), so larger steps keep the dense GEMMs.
+DECODE_STACK_MAX_TOKENS = 32
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
