@@ -2,18 +2,20 @@
    weights of a row) times a few fp32 rows: the LM head of a GGUF model, which a small decode step
    reads whole (49152 x 576 for SmolLM2, 28 MB), so its bytes set its speed.
 
-   As in decode_stack.c, each group of 32 activations is scaled to 16-bit integers (|q| <= 32639,
-   error <= 1.5e-5 of the group's largest value) and the codes' products are integer dot products
+   As in decode_stack.c, each group of 32 activations is scaled to 16-bit integers (q16.h) and the
+   codes' products are integer dot products
    (`vpdpwssd` with AVX512-VNNI, `vpmaddwd` with AVX2): per row and group,
    y += scale * q_scale * sum_j code_j * q_j. */
+#include "q16.h"
 #include "thread_pool.h"
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define Q16_MAX 32639
 
 typedef struct {
     const int8_t *codes;    /* [N, K] */
@@ -87,15 +89,9 @@ int rb_q8_matmul(const rb_q8_weight *w, const float *x, int64_t M, float *y, int
     if (!q) return -1;
     float *scale = (float *)(q + M * K);
     for (int64_t at = 0; at < M * groups; at++) {
-        const float *xg = x + at * 32;
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = fabsf(xg[i]) > amax ? fabsf(xg[i]) : amax;
-        const float inv = amax > 0.f ? (float)Q16_MAX / amax : 0.f;
-        scale[at] = amax / (float)Q16_MAX;
-        for (int i = 0; i < 32; i++) {
-            const int32_t v = (int32_t)lrintf(xg[i] * inv);
-            q[at * 32 + i] = (int16_t)(v > Q16_MAX ? Q16_MAX : (v < -Q16_MAX ? -Q16_MAX : v));
-        }
+        int32_t group[32];
+        scale[at] = quantize_group_q16(x + at * 32, group);
+        for (int i = 0; i < 32; i++) q[at * 32 + i] = (int16_t)group[i];
     }
     q8_job job = {w, q, scale, M, y};
     rb_parallel(q8_part, &job, threads);
