@@ -163,19 +163,19 @@ class Int8Linear(_LowBitLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  dense_dtype: torch.dtype | None = None, use_native: bool = True) -> None:
-        self.native_q8 = None
+        packed = None
         if use_native and native.available() and weight.shape[1] % q8.GROUP_SIZE == 0:
             packed = q8.q8_0_codes(weight)
-            super().__init__(packed.codes.shape, bias, None if dense_dtype is None else packed.dequantize().to(dense_dtype))
-            self.native_q8 = packed
-            self.register_buffer("codes", packed.codes)
-            self.register_buffer("scale", packed.scales)
-            return
-        codes, scale = int8_rows(weight)
-        dense = None if dense_dtype is None else (codes.float() * scale[:, None]).to(dense_dtype)
+            codes, scale = packed.codes, packed.scales
+            dense = None if dense_dtype is None else packed.dequantize().to(dense_dtype)
+        else:
+            codes, row_scale = int8_rows(weight)
+            scale = row_scale.to(KERNEL_DTYPE)
+            dense = None if dense_dtype is None else (codes.float() * row_scale[:, None]).to(dense_dtype)
         super().__init__(codes.shape, bias, dense)
+        self.native_q8 = packed
         self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale.to(KERNEL_DTYPE))
+        self.register_buffer("scale", scale)
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_q8 is not None:
