@@ -187,7 +187,12 @@ def test_cache_aware_routing_beats_round_robin_on_multi_turn_chats(tiny_llama_di
 @needs_gateway
 def test_serve_dp_size_starts_and_stops_the_fleet(tiny_llama_dir: Path, tmp_path: Path) -> None:
     port = launcher.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "radix_backend.cli", "serve", "--model", str(tiny_llama_dir),
+    # Ctrl-C's SIGINT as a terminal delivers it: a test run started in the background by a
+    # non-interactive shell (`sh -c '... &'`) hands its children SIGINT *ignored*, which Python
+    # keeps, so the launched process gets Python's default handler back first
+    start_with_sigint = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                         "sys.argv[0] = 'radix-backend'; runpy.run_module('radix_backend.cli', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", start_with_sigint, "serve", "--model", str(tiny_llama_dir),
                              "--dp-size", "2", "--port", str(port), "--kv-cache-tokens", "4096",
                              "--log-level", "warning"], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
