@@ -17,7 +17,7 @@ import torch
 from . import native
 
 Q4_ROWS = 4  # output rows per block of the packed layout (decode_stack.c)
-GROUP_SIZE = 32
+GROUP_SIZE = 32  # weights per scale/minimum: GGUF's Q4_1 block
 
 
 class _Q4Weight(ctypes.Structure):
@@ -110,7 +110,6 @@ class DecodeStack:
         self.layers = layers
         self.cos_sin = cos_sin.contiguous()
         hidden = layers[0].input_norm.numel()
-        self.hidden = hidden
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, layers[0].down.in_features, eps, scale,
                            self.cos_sin.data_ptr())
         self._structs = (_Layer * len(layers))()

@@ -29,10 +29,6 @@ class PackedQ8:
     scales: torch.Tensor  # [N, K/32] fp16
     exact: bool  # codes * scales reproduces the source weights bit for bit
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
-
     def dequantize(self) -> torch.Tensor:
         n, k = self.codes.shape
         groups = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()

@@ -34,8 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import decode_stack, native, q8
-
-GROUP_SIZE = 32
+from .decode_stack import GROUP_SIZE
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
 # copy streams from memory (measured on a 2-core AVX-512 EPYC, SmolLM2 decode step at a 300-token

@@ -31,8 +31,10 @@ MIN_BUFFERED_KEYS = 4096
 # half, which an explicit padding mask cannot (1024-token prefill: 650 -> 444 ms of attention)
 MAX_PADDED_EXTEND = 32
 # Native decode steps over at least this many keys in all split their requests over the intra-op
-# threads; below it starting a thread costs more than it saves (2-core EPYC: batch 32 at 80 keys
-# 0.54 ms on one thread vs 0.60 on two; at 300 keys 2.2 vs 1.3 ms).
+# threads; below it a second thread cost more than it saved (2-core EPYC: batch 32 at 80 keys
+# 0.54 ms on one thread vs 0.60 on two; at 300 keys 2.2 vs 1.3 ms). Measured when the kernel
+# started a thread per call; it now hands work to csrc/thread_pool.c, whose hand-off is cheaper,
+# and this bound has not been measured again since.
 NATIVE_THREADED_KEYS = 4096
 
 
