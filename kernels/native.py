@@ -32,14 +32,17 @@ from .user_cache import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "decode_stack.c", CSRC / "q8_matmul.c", CSRC / "thread_pool.c")
-HEADERS = (CSRC / "cpu_kernels.h", CSRC / "q16.h", CSRC / "thread_pool.h")
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "decode_stack.c", CSRC / "q8_matmul.c",
+           CSRC / "thread_pool.c")
+HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "q16.h", CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "RADIX_BACKEND_NATIVE"
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rb_decode_attention": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
+    "rb_extend_attention": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _P, _P, _I],
+                            ctypes.c_int),
     "rb_add_rms_norm": ([_P, _P, _P, _I, _I, _F, _P, _P], None),
     "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
     "rb_silu_and_mul": ([_P, _I, _I, _P], None),
@@ -150,6 +153,35 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lens.data_ptr(), batch, hkv, hq // hkv, dim, scale, out.data_ptr(), _ptr(lse), threads)
     if rc != 0:
         raise NativeKernelError("decode attention could not allocate its scratch memory")
+    return out, lse
+
+
+def extend_attention_dim_ok(dim: int) -> bool:
+    """The extend kernel handles head sizes that are multiples of 16 (all common ones)."""
+    return dim % 16 == 0
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
+                     q_starts: torch.Tensor, q_lens: torch.Tensor, kv_starts: torch.Tensor, kv_lens: torch.Tensor,
+                     scale: float, causal: bool = True, with_lse: bool = False,
+                     threads: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Many query rows per request over its keys, read from the pool in place. Request b owns q rows
+    [q_starts[b], + q_lens[b]) and keys at `kv_indices[kv_starts[b] : + kv_lens[b]]`; causal: its
+    new token i sees its first kv_lens[b] - q_lens[b] + i + 1 keys. q [T, Hq, D]; caches
+    [slots, Hkv, D]; int64 index tensors; returns (out [T, Hq, D], lse [T, Hq] or None)."""
+    tokens, hq, dim = q.shape
+    hkv = k_cache.shape[1]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(tokens, hq, dtype=torch.float32) if with_lse else None
+    rc = library().rb_extend_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), q_starts.data_ptr(),
+        q_lens.data_ptr(), kv_starts.data_ptr(), kv_lens.data_ptr(), len(q_lens), hkv, hq // hkv, dim, scale,
+        int(causal), out.data_ptr(), _ptr(lse), threads)
+    if rc == -2:
+        raise ValueError(f"extend attention needs a head size that is a multiple of 16, got {dim}")
+    if rc != 0:
+        raise NativeKernelError("extend attention could not allocate its scratch memory")
     return out, lse
 
 

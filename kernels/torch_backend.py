@@ -4,8 +4,10 @@ Per forward it plans once (shared by all layers): each request's keys are its sl
 that several requests share (one radix node) are attended once for all of them
 (`shared_prefix.py`), and only each request's remainder is gathered per request. Requests are
 batched into one padded product when padding wastes little, else attended one by one. On the CPU
-with fp32 K/V, decode steps attend each remainder with the native kernel instead (`native.py`),
-which reads the pool in place: no gather, no padding, no mask.
+with fp32 K/V the native kernels (`native.py`) read the pool in place instead: decode steps attend
+each remainder with them, and extends attend every request's whole context in one call (no
+shared-prefix pass: the kernel loads each block of keys once for a tile of query rows, so a shared
+prefix costs the same arithmetic as the torch path's shared product, without its gathers).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class _Plan:
     native_starts: torch.Tensor | None = None
     native_lens: torch.Tensor | None = None
     native_threads: int = 1
+    # native extend: request i owns q rows [qo_indptr[i], +extend[i]) and keys kv_indices[kv_indptr[i]:][:seq[i]]
+    native_extend: bool = False
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -92,8 +96,13 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._plan if planned else self._build_plan(meta)
         tokens, hq, dim = q.shape
         hkv = k_cache.shape[1]
-        if plan.native_lens is not None and not (native.supports(q, k_cache, v_cache) and k_cache.is_contiguous()
-                                                 and v_cache.is_contiguous()):
+        if plan.native_extend:
+            if self._native_ok(q, k_cache, v_cache) and native.extend_attention_dim_ok(dim):
+                return self._native_extend(q, k_cache, v_cache, meta, scale)
+            plan = self._build_plan(meta, allow_native=False)
+            if planned:
+                self._plan = plan
+        if plan.native_lens is not None and not self._native_ok(q, k_cache, v_cache):
             plan = self._build_plan(meta, allow_native=False)  # e.g. a bf16 pool: the torch path
             if planned:
                 self._plan = plan
@@ -128,9 +137,20 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, rows, merged.to(out.dtype))
         return out.view(tokens, hq, dim)
 
+    @staticmethod
+    def _native_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        return native.supports(q, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
+
     # ---- planning ---------------------------------------------------------------------------
+    def _native_planned(self, meta: AttentionMetadata, allow_native: bool) -> bool:
+        """The native kernels can read this batch's slot table (CPU, int64, contiguous)."""
+        return (allow_native and self.use_native and meta.kv_indices.device.type == "cpu"
+                and meta.kv_indices.dtype == torch.int64 and meta.kv_indices.is_contiguous() and native.available())
+
     def _build_plan(self, meta: AttentionMetadata, allow_native: bool = True) -> _Plan:
         prefix, extend = meta.prefix_lens_cpu, meta.extend_lens_cpu
+        if not meta.is_decode and self._native_planned(meta, allow_native):
+            return _Plan([], [], False, None, None, None, None, None, [], [], native_extend=True)
         kv_ptr = meta.kv_indptr.tolist()
         qo_ptr = meta.qo_indptr.tolist()
         groups, shared = ([], [0] * len(prefix))
@@ -140,8 +160,7 @@ class TorchAttentionBackend(AttentionBackend):
         device = meta.kv_indices.device
         group_rows = [torch.cat([torch.arange(qo_ptr[i], qo_ptr[i + 1]) for i in g.members.tolist()]).to(device)
                       for g in groups]
-        if (allow_native and self.use_native and meta.is_decode and device.type == "cpu"
-                and meta.kv_indices.dtype == torch.int64 and meta.kv_indices.is_contiguous() and native.available()):
+        if meta.is_decode and self._native_planned(meta, allow_native):
             starts = torch.tensor([kv_ptr[i] + shared[i] for i in range(len(prefix))], dtype=torch.int64)
             threads = torch.get_num_threads() if sum(rest_lens) >= NATIVE_THREADED_KEYS else 1
             return _Plan(groups, group_rows, False, None, None, None, None, None, [], [], native_starts=starts,
@@ -187,6 +206,14 @@ class TorchAttentionBackend(AttentionBackend):
         """(out [B, Hq, D], lse [B, Hq] or None) over each request's remainder, read in place."""
         return native.decode_attention(q, k_cache, v_cache, meta.kv_indices, plan.native_starts, plan.native_lens,
                                        scale, with_lse=bool(plan.groups), threads=plan.native_threads)
+
+    @staticmethod
+    def _native_extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Every request's new tokens against its whole context, causally, read in place."""
+        out, _ = native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1], meta.extend_lens,
+                                         meta.kv_indptr[:-1], meta.seq_lens, scale, causal=True,
+                                         threads=torch.get_num_threads())
+        return out
 
     def _decode(self, q, k, v, k_cache, v_cache, plan: _Plan, scale: float):
         """One new token per request: (out, lse) [B, Hkv, G, D|1] over each request's remainder."""

@@ -206,3 +206,13 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
     assert lib.rb_q8_matmul(ctypes.byref(packed8.as_struct()), x.data_ptr(), 6, got8.data_ptr(), 2) == 0
     torch.testing.assert_close(got4, decode_stack.q4_matmul(x, packed4), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got8, q8.q8_matmul(x, packed8), rtol=1e-5, atol=1e-5)
+    # extend attention, whose vector code is 16 floats wide with AVX-512 and 8 otherwise
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache, q = torch.randn(300, 2, 80, generator=gen), torch.randn(300, 2, 80, generator=gen), torch.randn(90, 6, 80, generator=gen)
+    index_args = [torch.randperm(300, generator=gen)[:250], torch.tensor([0, 20]), torch.tensor([20, 70]),
+                  torch.tensor([0, 100]), torch.tensor([100, 150])]
+    got = torch.empty_like(q)
+    assert lib.rb_extend_attention(*(t.data_ptr() for t in (q, k_cache, v_cache, *index_args)), 2, 2, 3, 80, 0.1, 1,
+                                   got.data_ptr(), None, 2) == 0
+    want, _ = native.extend_attention(q, k_cache, v_cache, *index_args, 0.1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

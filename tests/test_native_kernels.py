@@ -81,6 +81,80 @@ def test_decode_attention_survives_extreme_scores():
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-5)
 
 
+def reference_extend(q, k_cache, v_cache, slot_lists, q_lens, scale, causal=True):
+    """Per request and new token: softmax over its visible keys, in float64; returns (out, lse)."""
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
+    row = 0
+    for slots, n in zip(slot_lists, q_lens):
+        for i in range(n):
+            visible = slots[:len(slots) - n + i + 1] if causal else slots
+            for h in range(hq):
+                scores = k_cache[visible, h // (hq // hkv)].double() @ q[row, h].double() * scale
+                out[row, h] = (torch.softmax(scores, 0) @ v_cache[visible, h // (hq // hkv)].double()).float()
+                lse[row, h] = torch.logsumexp(scores, 0).float()
+            row += 1
+    return out, lse
+
+
+def extend_case(hq, hkv, dim, q_lens, prefix_lens, seed=0):
+    """Scattered pool slots (as after evictions) for ragged requests; returns the kernel's inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    k_cache, v_cache = torch.randn(sum(kv_lens) + 50, hkv, dim, generator=gen), torch.randn(sum(kv_lens) + 50, hkv, dim, generator=gen)
+    order = torch.randperm(sum(kv_lens) + 49, generator=gen).add(1)
+    slot_lists = [order[sum(kv_lens[:i]):sum(kv_lens[:i + 1])] for i in range(len(kv_lens))]
+    q = torch.randn(sum(q_lens), hq, dim, generator=gen)
+    starts = lambda lens: torch.tensor([sum(lens[:i]) for i in range(len(lens))])  # noqa: E731
+    return (q, k_cache, v_cache, torch.cat(slot_lists), starts(q_lens), torch.tensor(q_lens), starts(kv_lens),
+            torch.tensor(kv_lens)), slot_lists
+
+
+@pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (8, 8, 128), (4, 2, 80), (2, 1, 16)])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_extend_attention_reads_the_pool_in_place(hq, hkv, dim, threads, causal):
+    """Ragged new tokens (1 to 70, with and without a cached prefix) attend their own keys only,
+    causally or not; tiles of query rows cut across heads and positions, blocks of keys end mid-way."""
+    q_lens, prefix_lens = [3, 1, 70, 17], [100, 0, 5, 130]
+    args, slot_lists = extend_case(hq, hkv, dim, q_lens, prefix_lens, seed=hq + dim)
+    scale = 1 / math.sqrt(dim)
+    out, lse = native.extend_attention(*args, scale, causal=causal, with_lse=True, threads=threads)
+    ref_out, ref_lse = reference_extend(args[0], args[1], args[2], slot_lists, q_lens, scale, causal)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_attention_survives_extreme_scores_and_rejects_odd_head_sizes():
+    args, slot_lists = extend_case(3, 1, 64, [5], [40], seed=3)
+    args[1][slot_lists[0][:3], 0, :] *= 200.0  # scores of several hundred, positive and negative
+    out, _ = native.extend_attention(*args, 1.0)
+    ref, _ = reference_extend(args[0], args[1], args[2], slot_lists, [5], 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-4)
+    odd, _ = extend_case(3, 1, 40, [5], [40])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.extend_attention(*odd, 1.0)
+
+
+def test_backend_extends_natively_and_keeps_torch_for_other_head_sizes():
+    """The torch backend hands extends to the native kernel; a head size it cannot take (40)
+    falls back to the torch path, with the same result."""
+    for dim in (64, 40):
+        args, slot_lists = extend_case(6, 2, dim, [4, 9], [30, 0], seed=dim)
+        q, k_cache, v_cache, kv_indices = args[:4]
+        out_slots = torch.cat([slots[-n:] for slots, n in zip(slot_lists, [4, 9])])
+        meta = AttentionMetadata.build([30, 0], [4, 9], kv_indices, out_slots, "cpu")
+        new_k, new_v = k_cache[out_slots].clone(), v_cache[out_slots].clone()
+        backend = TorchAttentionBackend()
+        backend.begin_forward(meta)
+        assert backend._plan.native_extend
+        out = backend.forward(q, new_k, new_v, k_cache, v_cache, meta, 0.125)
+        assert backend._plan.native_extend == (dim == 64)
+        ref, _ = reference_extend(q, k_cache, v_cache, slot_lists, [4, 9], 0.125)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_norms_match_the_torch_ops():
     gen = torch.Generator().manual_seed(1)
     x, residual = torch.randn(5, 576, generator=gen), torch.randn(5, 576, generator=gen)
@@ -170,4 +244,4 @@ def test_backend_plans_native_decode_only_for_decode_steps():
     assert backend._plan.native_lens is not None
     extend = AttentionMetadata.build([10], [3], torch.arange(13), torch.tensor([10, 11, 12]), "cpu")
     backend.begin_forward(extend)
-    assert backend._plan.native_lens is None
+    assert backend._plan.native_lens is None and backend._plan.native_extend

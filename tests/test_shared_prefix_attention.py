@@ -17,7 +17,7 @@ HQ, HKV, D = 6, 2, 16
 
 @pytest.fixture(autouse=True, params=["native", "torch"])
 def decode_path(request, monkeypatch) -> str:
-    """Every test runs with decode steps on the native kernel (read in place) and on torch ops."""
+    """Every test runs with attention on the native kernels (read in place) and on torch ops."""
     if request.param == "native" and not native.available():
         pytest.skip("native CPU kernels unavailable (no C compiler)")
     if request.param == "torch":
@@ -84,10 +84,13 @@ def test_decode_with_a_shared_prefix_equals_reference(contiguous, decode_path):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_extend_with_a_shared_prefix_equals_reference():
+def test_extend_with_a_shared_prefix_equals_reference(decode_path):
     slots, prefix = shared_batch(4, shared=40, own=[4, 5, 2, 3], extend=[3, 2, 4, 3])
     out, ref, backend = run(slots, prefix, [3, 2, 4, 3])
-    assert backend._plan.groups and backend._plan.padded
+    if decode_path == "native":  # one in-place call attends every request's whole context
+        assert backend._plan.native_extend and not backend._plan.groups
+    else:
+        assert backend._plan.groups and backend._plan.padded
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
@@ -111,10 +114,10 @@ def test_nested_sharing_takes_the_common_part_of_the_group():
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-def test_ragged_extend_falls_back_to_per_request_and_stays_exact():
+def test_ragged_extend_falls_back_to_per_request_and_stays_exact(decode_path):
     slots, prefix = shared_batch(3, shared=40, own=[0, 0, 0], extend=[1, 1, 120])
     out, ref, backend = run(slots, prefix, [1, 1, 120])
-    assert not backend._plan.padded and backend._plan.groups
+    assert backend._plan.native_extend if decode_path == "native" else (not backend._plan.padded and backend._plan.groups)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     plain, ref2, _ = run(slots, prefix, [1, 1, 120], share=False)
     torch.testing.assert_close(plain, ref2, atol=2e-5, rtol=1e-4)
