@@ -3,12 +3,13 @@
    Why: torch's path gathered each request's keys out of the pool, repeated them for every query
    head of a GQA group and ran one flash-attention call per request (or a padded product with an
    explicit mask); on a 2-core CPU that was 40-50 % of an extend's time. Here one call covers the
-   whole batch: a task is (request, kv head, tile of TILE_ROWS query rows); the tile's rows are the
-   group's query heads of consecutive positions, so each block of keys is loaded (and transposed)
-   once for all of them. Scores and the online softmax stay in fp32 (flash attention's running max
-   and sum); tasks are pulled from a shared counter by the pool's threads, heaviest (last) tiles
-   first. The inner products are written with the compiler's vector types, so the same code is
-   AVX-512, AVX2 or plain scalar code depending on the build. */
+   whole batch: a task is (request, kv head, tile of about TILE_ROWS query rows); the tile's rows are
+   the group's query heads of consecutive positions, held as vector lanes, so each key or value
+   feature read from the pool is one broadcast against all of them (no gathered or transposed copy
+   of K/V). Scores and the online softmax stay in fp32 (flash attention's running max and sum,
+   vectorized across rows); tasks are pulled from a shared counter by the pool's threads, heaviest
+   (last) tiles first. The products use the compiler's vector types, so the same code is AVX-512,
+   AVX2 or plain SSE code depending on the build. */
 #include "cpu_kernels.h"
 #include "fast_exp.h"
 #include "thread_pool.h"
@@ -19,17 +20,49 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Register blocking: KEY_GROUP keys (or value features), each broadcast against ROW_VECS vectors
+   of query rows, keep KEY_GROUP * ROW_VECS accumulators and ROW_VECS row vectors in registers. */
 #if defined(__AVX512F__)
-#define VEC 16
-#else
+#define VEC 16      /* floats per vector */
+#define ROW_VECS 3  /* 24 accumulators + 3 of 32 registers */
+#define KEY_GROUP 8
+#elif defined(__AVX__)
 #define VEC 8
+#define ROW_VECS 3  /* 12 accumulators + 3 + a broadcast: all 16 registers */
+#define KEY_GROUP 4
+#else
+#define VEC 4       /* SSE or NEON */
+#define ROW_VECS 3
+#define KEY_GROUP 4
 #endif
-#define BLOCK_KEYS (4 * VEC) /* keys per block: four vectors of scores per row */
-#define ROW_BLOCK 4          /* query rows sharing each loaded vector of keys or values */
-#define TILE_ROWS 48         /* query rows (positions x heads of a group) per task, about */
+#define CHUNK_ROWS (ROW_VECS * VEC) /* query rows as vector lanes: 48, 24 or 12 */
+#define TILE_ROWS ((48 + CHUNK_ROWS - 1) / CHUNK_ROWS * CHUNK_ROWS) /* rows per task, about */
+#define BLOCK_KEYS 64 /* keys per online-softmax step */
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
-typedef float vec_unaligned __attribute__((vector_size(VEC * sizeof(float)), aligned(4)));
+typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(float))));
+
+static inline vec select_vec(ivec mask, vec yes, vec no) { return (vec)(((ivec)yes & mask) | ((ivec)no & ~mask)); }
+
+/* fast_exp.h's exp_clamped on a vector (same operations, so the same results): the softmax loops
+   below are written on vectors because compilers left them scalar for some targets (AVX2) */
+static inline vec exp_vec(vec x) {
+    const vec lo = (vec){0} - 87.0f, hi = (vec){0} + 88.0f;
+    x = select_vec(x < lo, lo, x);
+    x = select_vec(x > hi, hi, x);
+    const vec n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+    const vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    vec p = (vec){0} + 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const ivec two_n = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return p * (vec)two_n;
+}
 
 typedef struct {
     const float *q, *k_cache, *v_cache;
@@ -43,129 +76,124 @@ typedef struct {
     _Atomic int failed;
 } extend_job;
 
+/* One thread's scratch, rows as the last (vector) dimension so that both products are broadcasts
+   of key / value features from the pool against vectors of query rows: no transposed copy of K. */
 typedef struct {
-    float *q, *scores, *acc, *keys_t, *max, *sum; /* 64-byte aligned scratch of one thread */
-    const float **values;
-    int64_t *limit;
+    float *q_t;     /* [D][rows]: the tile's scaled queries, transposed once per task */
+    float *s_t;     /* [BLOCK_KEYS][rows]: scores, then probabilities */
+    float *o_t;     /* [D][rows]: output accumulators */
+    float *max, *sum, *limit, *corr; /* [rows]: running max and sum; keys visible to the row (as a
+                                        float); the block's rescale factor */
+    const float **keys, **values; /* [BLOCK_KEYS]: the block's rows in the pool */
 } tile_scratch;
 
-/* Scores of ROW_BLOCK rows against one key block: s[r][j] = q[r] . k[j], keys_t = [D][BLOCK_KEYS]. */
-static inline void block_scores(const float *restrict q, const float *restrict keys_t, int64_t D,
-                                float *restrict s) {
-    vec acc[ROW_BLOCK][4] = {{{0}}};
+/* s_t[j][c] = sum_d keys[j][d] * q_t[d][c] for KEY_GROUP keys and one chunk of rows at column c0. */
+static inline void scores_chunk(const float *restrict q_t, const float **keys, int64_t rows, int64_t D,
+                                int64_t c0, float *restrict s_t) {
+    vec acc[KEY_GROUP][ROW_VECS] = {{{0}}};
     for (int64_t d = 0; d < D; d++) {
-        const vec *k = (const vec *)(keys_t + d * BLOCK_KEYS);
-        const vec k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
-        for (int r = 0; r < ROW_BLOCK; r++) {
-            const float x = q[r * D + d];
-            acc[r][0] += x * k0;
-            acc[r][1] += x * k1;
-            acc[r][2] += x * k2;
-            acc[r][3] += x * k3;
+        const vec *q = (const vec *)(q_t + d * rows + c0);
+        vec qv[ROW_VECS];
+        for (int u = 0; u < ROW_VECS; u++) qv[u] = q[u];
+        for (int k = 0; k < KEY_GROUP; k++) {
+            const float x = keys[k][d];
+            for (int u = 0; u < ROW_VECS; u++) acc[k][u] += x * qv[u];
         }
     }
-    for (int r = 0; r < ROW_BLOCK; r++)
-        for (int u = 0; u < 4; u++) ((vec *)(s + r * BLOCK_KEYS))[u] = acc[r][u];
+    for (int k = 0; k < KEY_GROUP; k++)
+        for (int u = 0; u < ROW_VECS; u++) ((vec *)(s_t + k * rows + c0))[u] = acc[k][u];
 }
 
-/* acc[r] += sum_j p[r][j] * v[j] for ROW_BLOCK rows, over NV (<= 4) vectors of features at `d0`. */
-static inline __attribute__((always_inline)) void block_values_n(
-        const float *restrict p, const float **values, int64_t keys, int64_t d0, int64_t D, float *restrict acc,
-        const int NV) {
-    vec o[ROW_BLOCK][4];
-    for (int r = 0; r < ROW_BLOCK; r++)
-        for (int u = 0; u < NV; u++) o[r][u] = ((const vec *)(acc + r * D + d0))[u];
+/* o_t[d][c] += sum_j values[j][d] * p_t[j][c] for KEY_GROUP features d0.. and one chunk of rows. */
+static inline void values_chunk(const float *restrict p_t, const float **values, int64_t keys, int64_t rows,
+                                int64_t d0, int64_t c0, float *restrict o_t) {
+    vec acc[KEY_GROUP][ROW_VECS];
+    for (int k = 0; k < KEY_GROUP; k++)
+        for (int u = 0; u < ROW_VECS; u++) acc[k][u] = ((const vec *)(o_t + (d0 + k) * rows + c0))[u];
     for (int64_t j = 0; j < keys; j++) {
-        const vec_unaligned *v = (const vec_unaligned *)(values[j] + d0);
-        vec vj[4];
-        for (int u = 0; u < NV; u++) vj[u] = v[u];
-        for (int r = 0; r < ROW_BLOCK; r++) {
-            const float w = p[r * BLOCK_KEYS + j];
-            for (int u = 0; u < NV; u++) o[r][u] += w * vj[u];
+        const vec *p = (const vec *)(p_t + j * rows + c0);
+        vec pv[ROW_VECS];
+        for (int u = 0; u < ROW_VECS; u++) pv[u] = p[u];
+        const float *v = values[j] + d0;
+        for (int k = 0; k < KEY_GROUP; k++) {
+            const float x = v[k];
+            for (int u = 0; u < ROW_VECS; u++) acc[k][u] += x * pv[u];
         }
     }
-    for (int r = 0; r < ROW_BLOCK; r++)
-        for (int u = 0; u < NV; u++) ((vec *)(acc + r * D + d0))[u] = o[r][u];
+    for (int k = 0; k < KEY_GROUP; k++)
+        for (int u = 0; u < ROW_VECS; u++) ((vec *)(o_t + (d0 + k) * rows + c0))[u] = acc[k][u];
 }
 
-/* the features of ROW_BLOCK rows, four vectors at a time (D is a multiple of VEC) */
-static void block_values(const float *p, const float **values, int64_t keys, int64_t D, float *acc) {
-    int64_t d0 = 0;
-    for (; d0 + 4 * VEC <= D; d0 += 4 * VEC) block_values_n(p, values, keys, d0, D, acc, 4);
-    switch ((D - d0) / VEC) {
-    case 3: block_values_n(p, values, keys, d0, D, acc, 3); break;
-    case 2: block_values_n(p, values, keys, d0, D, acc, 2); break;
-    case 1: block_values_n(p, values, keys, d0, D, acc, 1); break;
-    default: break;
-    }
+static inline int64_t tile_rows(int64_t positions, int64_t group) {
+    return (positions * group + CHUNK_ROWS - 1) / CHUNK_ROWS * CHUNK_ROWS;
 }
 
 /* One task: request b, kv head h, query positions [first, first + count) of the request. */
 static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, int64_t h, int64_t first,
                         int64_t count) {
     const int64_t G = a->group, D = a->dim, Hq = a->hkv * G, row = a->hkv * D;
-    const int64_t rows = count * G, padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+    const int64_t used = count * G, rows = tile_rows(count, G);
     const int64_t L = a->kv_lens[b], offset = L - a->q_lens[b];
     const int64_t *slots = a->kv_indices + a->kv_starts[b];
     int64_t keys_end = 0;
-    for (int64_t r = 0; r < padded; r++) { /* row r = position first + r / G, query head h * G + r % G */
-        float *qr = t->q + r * D;
-        if (r < rows) {
+    for (int64_t r = 0; r < rows; r++) { /* row r = position first + r / G, query head h * G + r % G */
+        if (r < used) {
             const float *src = a->q + ((a->q_starts[b] + first + r / G) * Hq + h * G + r % G) * D;
-            for (int64_t d = 0; d < D; d++) qr[d] = src[d] * a->scale;
-            t->limit[r] = a->causal ? offset + first + r / G + 1 : L;
+            for (int64_t d = 0; d < D; d++) t->q_t[d * rows + r] = src[d] * a->scale;
+            t->limit[r] = (float)(a->causal ? offset + first + r / G + 1 : L);
         } else {
-            memset(qr, 0, sizeof(float) * D);
-            t->limit[r] = L; /* padding rows see every key: no empty softmax, never written out */
+            for (int64_t d = 0; d < D; d++) t->q_t[d * rows + r] = 0.f;
+            t->limit[r] = (float)L; /* padding rows see every key: no empty softmax, never written out */
         }
-        keys_end = t->limit[r] > keys_end ? t->limit[r] : keys_end;
+        keys_end = (int64_t)t->limit[r] > keys_end ? (int64_t)t->limit[r] : keys_end;
         t->max[r] = -INFINITY;
         t->sum[r] = 0.f;
     }
-    memset(t->acc, 0, sizeof(float) * padded * D);
+    memset(t->o_t, 0, sizeof(float) * rows * D);
     for (int64_t j0 = 0; j0 < keys_end; j0 += BLOCK_KEYS) {
         const int64_t n = keys_end - j0 < BLOCK_KEYS ? keys_end - j0 : BLOCK_KEYS;
+        const int64_t padded_keys = (n + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
+        for (int64_t j = 0; j < padded_keys; j++) { /* the block's tail repeats its last key, masked below */
+            const int64_t slot = slots[j0 + (j < n ? j : n - 1)];
+            t->keys[j] = a->k_cache + slot * row + h * D;
+            t->values[j] = a->v_cache + slot * row + h * D;
+        }
+        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP)
+            for (int64_t c0 = 0; c0 < rows; c0 += CHUNK_ROWS) scores_chunk(t->q_t, t->keys + j, rows, D, c0, t->s_t + j * rows);
+        /* online softmax, vectorized across rows: new max, rescale factor, probabilities */
+        vec *restrict mx = (vec *)t->max, *restrict sm = (vec *)t->sum, *restrict corr = (vec *)t->corr;
+        const vec *restrict lim = (const vec *)t->limit, none = (vec){0} - INFINITY;
+        const int64_t row_vecs = rows / VEC;
+        for (int64_t u = 0; u < row_vecs; u++) corr[u] = mx[u];
         for (int64_t j = 0; j < n; j++) {
-            const float *k = a->k_cache + slots[j0 + j] * row + h * D;
-            for (int64_t d = 0; d < D; d++) t->keys_t[d * BLOCK_KEYS + j] = k[d];
-            t->values[j] = a->v_cache + slots[j0 + j] * row + h * D;
+            const vec *s = (const vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
+            for (int64_t u = 0; u < row_vecs; u++) mx[u] = select_vec((key < lim[u]) & (s[u] > mx[u]), s[u], mx[u]);
         }
-        for (int64_t j = n; j < BLOCK_KEYS; j++)
-            for (int64_t d = 0; d < D; d++) t->keys_t[d * BLOCK_KEYS + j] = 0.f;
-        for (int64_t r = 0; r < padded; r += ROW_BLOCK) block_scores(t->q + r * D, t->keys_t, D, t->scores + r * BLOCK_KEYS);
-        for (int64_t r = 0; r < padded; r++) { /* online softmax: rescale what came before */
-            float *s = t->scores + r * BLOCK_KEYS;
-            const int64_t visible = t->limit[r] - j0 < n ? t->limit[r] - j0 : n;
-            float m = t->max[r];
-            for (int64_t j = 0; j < visible; j++) m = s[j] > m ? s[j] : m;
-            if (visible <= 0 || m == -INFINITY) {
-                memset(s, 0, sizeof(float) * BLOCK_KEYS);
-                continue;
-            }
-            const float correction = t->max[r] == -INFINITY ? 0.f : exp_clamped(t->max[r] - m);
-            float total = 0.f;
-            #pragma omp simd reduction(+:total)
-            for (int64_t j = 0; j < BLOCK_KEYS; j++) {
-                const float p = j < visible ? exp_clamped(s[j] - m) : 0.f;
-                s[j] = p;
-                total += p;
-            }
-            t->sum[r] = t->sum[r] * correction + total;
-            t->max[r] = m;
-            if (correction != 1.f) {
-                float *o = t->acc + r * D;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] *= correction;
+        for (int64_t u = 0; u < row_vecs; u++) {
+            corr[u] = select_vec(corr[u] == none, (vec){0}, exp_vec(corr[u] - mx[u]));
+            sm[u] *= corr[u];
+        }
+        for (int64_t j = 0; j < padded_keys; j++) {
+            vec *s = (vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
+            for (int64_t u = 0; u < row_vecs; u++) {
+                const vec p = j < n ? select_vec(key < lim[u], exp_vec(s[u] - mx[u]), (vec){0}) : (vec){0};
+                s[u] = p;
+                sm[u] += p;
             }
         }
-        for (int64_t r = 0; r < padded; r += ROW_BLOCK)
-            block_values(t->scores + r * BLOCK_KEYS, t->values, n, D, t->acc + r * D);
+        for (int64_t d = 0; d < D; d++) {
+            vec *o = (vec *)(t->o_t + d * rows);
+            for (int64_t u = 0; u < row_vecs; u++) o[u] *= corr[u];
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += KEY_GROUP)
+            for (int64_t c0 = 0; c0 < rows; c0 += CHUNK_ROWS)
+                values_chunk(t->s_t, t->values, padded_keys, rows, d0, c0, t->o_t);
     }
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < used; r++) {
         const int64_t token = a->q_starts[b] + first + r / G, head = h * G + r % G;
-        const float inv = 1.f / t->sum[r], *o = t->acc + r * D;
+        const float inv = 1.f / t->sum[r];
         float *dst = a->out + (token * Hq + head) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
+        for (int64_t d = 0; d < D; d++) dst[d] = t->o_t[d * rows + r] * inv;
         if (a->lse) a->lse[token * Hq + head] = t->max[r] + logf(t->sum[r]);
     }
 }
@@ -178,11 +206,11 @@ static void *aligned_floats(int64_t n) {
 static void extend_part(void *ctx, int64_t part, int64_t parts) {
     (void)part, (void)parts;
     extend_job *a = (extend_job *)ctx;
-    const int64_t D = a->dim, rows = (a->positions_per_tile * a->group + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
-    tile_scratch t = {aligned_floats(rows * D), aligned_floats(rows * BLOCK_KEYS), aligned_floats(rows * D),
-                      aligned_floats(D * BLOCK_KEYS), aligned_floats(rows), aligned_floats(rows),
-                      malloc(sizeof(float *) * BLOCK_KEYS), malloc(sizeof(int64_t) * rows)};
-    if (t.q && t.scores && t.acc && t.keys_t && t.max && t.sum && t.values && t.limit) {
+    const int64_t D = a->dim, rows = tile_rows(a->positions_per_tile, a->group);
+    tile_scratch t = {aligned_floats(D * rows), aligned_floats(BLOCK_KEYS * rows), aligned_floats(D * rows),
+                      aligned_floats(rows), aligned_floats(rows), aligned_floats(rows), aligned_floats(rows),
+                      malloc(sizeof(float *) * BLOCK_KEYS), malloc(sizeof(float *) * BLOCK_KEYS)};
+    if (t.q_t && t.s_t && t.o_t && t.max && t.sum && t.limit && t.corr && t.keys && t.values) {
         int64_t task;
         while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
             const int64_t id = a->tasks - 1 - task; /* the last tiles of a request see the most keys */
@@ -195,7 +223,7 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
     } else {
         a->failed = 1;
     }
-    free(t.q), free(t.scores), free(t.acc), free(t.keys_t), free(t.max), free(t.sum), free(t.values), free(t.limit);
+    free(t.q_t), free(t.s_t), free(t.o_t), free(t.max), free(t.sum), free(t.limit), free(t.corr), free(t.keys), free(t.values);
 }
 
 /* Request b's q_lens[b] new tokens are q rows [q_starts[b], + q_lens[b]); its keys are the pool slots
@@ -207,7 +235,7 @@ int rb_extend_attention(const float *q, const float *k_cache, const float *v_cac
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts,
                         const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,
                         float scale, int causal, float *out, float *lse, int64_t threads) {
-    if (dim % 16 != 0) return -2;
+    if (dim % 16 != 0) return -2; /* a multiple of KEY_GROUP */
     int64_t per_tile = TILE_ROWS / group;
     per_tile = per_tile < 1 ? 1 : per_tile;
     int64_t *task_first = malloc(sizeof(int64_t) * (batch + 1));
