@@ -125,17 +125,35 @@ class TorchAttentionBackend(AttentionBackend):
             out, lse = self._per_request(q, k_cache, v_cache, meta, plan, scale, with_lse=True)
         q_groups = q.view(tokens, hkv, hq // hkv, dim)
         for group, rows in zip(plan.groups, plan.group_rows):
-            keys = sp.read_slots(k_cache, group.slots, group.contiguous_start).transpose(0, 1)  # [Hkv, Lp, D]
-            values = sp.read_slots(v_cache, group.slots, group.contiguous_start).transpose(0, 1)
             qr = q_groups.index_select(0, rows)  # [R, Hkv, G, D]
-            r, _, g, _ = qr.shape
-            qr = qr.permute(1, 0, 2, 3).reshape(1, hkv, r * g, dim)
-            out_p, lse_p = sp.attend(qr, keys[None].to(q.dtype), values[None].to(q.dtype), scale)
-            out_p = out_p.view(hkv, r, g, dim).permute(1, 0, 2, 3)
-            lse_p = lse_p.view(hkv, r, g, 1).permute(1, 0, 2, 3)
+            if plan.native_lens is not None and native.extend_attention_dim_ok(dim):  # fp32 contiguous pool
+                out_p, lse_p = self._native_shared(qr, k_cache, v_cache, group, scale)
+            else:
+                out_p, lse_p = self._torch_shared(qr, k_cache, v_cache, group, scale)
             merged = sp.merge(out_p, lse_p, out.index_select(0, rows), lse.index_select(0, rows))
             out.index_copy_(0, rows, merged.to(out.dtype))
         return out.view(tokens, hq, dim)
+
+    @staticmethod
+    def _torch_shared(qr, k_cache, v_cache, group: sp.SharedPrefix, scale: float):
+        """(out, lse) [R, Hkv, G, D|1] of a group's queries over its shared prefix: one product."""
+        r, hkv, g, dim = qr.shape
+        keys = sp.read_slots(k_cache, group.slots, group.contiguous_start).transpose(0, 1)  # [Hkv, Lp, D]
+        values = sp.read_slots(v_cache, group.slots, group.contiguous_start).transpose(0, 1)
+        qr = qr.permute(1, 0, 2, 3).reshape(1, hkv, r * g, dim)
+        out_p, lse_p = sp.attend(qr, keys[None].to(qr.dtype), values[None].to(qr.dtype), scale)
+        return out_p.view(hkv, r, g, dim).permute(1, 0, 2, 3), lse_p.view(hkv, r, g, 1).permute(1, 0, 2, 3)
+
+    @staticmethod
+    def _native_shared(qr, k_cache, v_cache, group: sp.SharedPrefix, scale: float):
+        """`_torch_shared` through the extend kernel: the group's queries as one request that sees
+        all of the prefix (not causal), read from the pool in place."""
+        r, hkv, g, dim = qr.shape
+        zero, count, length = torch.zeros(1, dtype=torch.int64), torch.tensor([r]), torch.tensor([group.length])
+        out_p, lse_p = native.extend_attention(qr.reshape(r, hkv * g, dim), k_cache, v_cache, group.slots, zero,
+                                               count, zero, length, scale, causal=False, with_lse=True,
+                                               threads=torch.get_num_threads())
+        return out_p.view(r, hkv, g, dim), lse_p.view(r, hkv, g, 1)
 
     @staticmethod
     def _native_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

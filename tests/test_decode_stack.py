@@ -208,7 +208,8 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
     torch.testing.assert_close(got8, q8.q8_matmul(x, packed8), rtol=1e-5, atol=1e-5)
     # extend attention, whose vector code is 16 floats wide with AVX-512 and 8 otherwise
     gen = torch.Generator().manual_seed(12)
-    k_cache, v_cache, q = torch.randn(300, 2, 80, generator=gen), torch.randn(300, 2, 80, generator=gen), torch.randn(90, 6, 80, generator=gen)
+    k_cache, v_cache = torch.randn(300, 2, 80, generator=gen), torch.randn(300, 2, 80, generator=gen)
+    q = torch.randn(90, 6, 80, generator=gen)
     index_args = [torch.randperm(300, generator=gen)[:250], torch.tensor([0, 20]), torch.tensor([20, 70]),
                   torch.tensor([0, 100]), torch.tensor([100, 150])]
     got = torch.empty_like(q)

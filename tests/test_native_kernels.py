@@ -101,8 +101,9 @@ def extend_case(hq, hkv, dim, q_lens, prefix_lens, seed=0):
     """Scattered pool slots (as after evictions) for ragged requests; returns the kernel's inputs."""
     gen = torch.Generator().manual_seed(seed)
     kv_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
-    k_cache, v_cache = torch.randn(sum(kv_lens) + 50, hkv, dim, generator=gen), torch.randn(sum(kv_lens) + 50, hkv, dim, generator=gen)
-    order = torch.randperm(sum(kv_lens) + 49, generator=gen).add(1)
+    slots = sum(kv_lens) + 50
+    k_cache, v_cache = torch.randn(slots, hkv, dim, generator=gen), torch.randn(slots, hkv, dim, generator=gen)
+    order = torch.randperm(slots - 1, generator=gen).add(1)
     slot_lists = [order[sum(kv_lens[:i]):sum(kv_lens[:i + 1])] for i in range(len(kv_lens))]
     q = torch.randn(sum(q_lens), hq, dim, generator=gen)
     starts = lambda lens: torch.tensor([sum(lens[:i]) for i in range(len(lens))])  # noqa: E731

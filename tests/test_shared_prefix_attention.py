@@ -117,7 +117,10 @@ def test_nested_sharing_takes_the_common_part_of_the_group():
 def test_ragged_extend_falls_back_to_per_request_and_stays_exact(decode_path):
     slots, prefix = shared_batch(3, shared=40, own=[0, 0, 0], extend=[1, 1, 120])
     out, ref, backend = run(slots, prefix, [1, 1, 120])
-    assert backend._plan.native_extend if decode_path == "native" else (not backend._plan.padded and backend._plan.groups)
+    if decode_path == "native":
+        assert backend._plan.native_extend
+    else:
+        assert not backend._plan.padded and backend._plan.groups
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     plain, ref2, _ = run(slots, prefix, [1, 1, 120], share=False)
     torch.testing.assert_close(plain, ref2, atol=2e-5, rtol=1e-4)
