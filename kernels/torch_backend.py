@@ -33,10 +33,11 @@ MIN_BUFFERED_KEYS = 4096
 # half, which an explicit padding mask cannot (1024-token prefill: 650 -> 444 ms of attention)
 MAX_PADDED_EXTEND = 32
 # Native decode steps over at least this many keys in all split their requests over the intra-op
-# threads; below it a second thread cost more than it saved (2-core EPYC: batch 32 at 80 keys
-# 0.54 ms on one thread vs 0.60 on two; at 300 keys 2.2 vs 1.3 ms). Measured when the kernel
-# started a thread per call; it now hands work to csrc/thread_pool.c, whose hand-off is cheaper,
-# and this bound has not been measured again since.
+# threads (csrc/thread_pool.c). Alone, two threads gain from a few hundred keys on (2-core EPYC, us
+# per layer, 1 vs 2 threads: 4 requests x 100 keys 43 vs 24, 32 x 40 185 vs 75, 32 x 150 699 vs
+# 348), but inside a per-layer decode step they meet torch's OpenMP threads, which still spin after
+# each GEMM: a 32-request step over 3,200 keys took 82-90 ms with a 256-key bound against 66-72 ms
+# with this one (three alternating rounds).
 NATIVE_THREADED_KEYS = 4096
 
 
