@@ -172,6 +172,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tokens, hq, dim = q.shape
     hkv = k_cache.shape[1]
     q = q.contiguous()
+    kv_indices, q_starts, q_lens, kv_starts, kv_lens = (
+        t.to(torch.int64).contiguous() for t in (kv_indices, q_starts, q_lens, kv_starts, kv_lens))
     out = torch.empty_like(q)
     lse = torch.empty(tokens, hq, dtype=torch.float32) if with_lse else None
     rc = library().rb_extend_attention(

@@ -111,12 +111,13 @@ def extend_case(hq, hkv, dim, q_lens, prefix_lens, seed=0):
             torch.tensor(kv_lens)), slot_lists
 
 
-@pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (8, 8, 128), (4, 2, 80), (2, 1, 16)])
+@pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (8, 8, 128), (4, 2, 80), (2, 1, 16), (10, 2, 32)])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("causal", [True, False])
 def test_extend_attention_reads_the_pool_in_place(hq, hkv, dim, threads, causal):
     """Ragged new tokens (1 to 70, with and without a cached prefix) attend their own keys only,
-    causally or not; tiles of query rows cut across heads and positions, blocks of keys end mid-way."""
+    causally or not; tiles of query rows cut across heads and positions (5 heads a group: every
+    tile has padding rows), blocks of keys end mid-way."""
     q_lens, prefix_lens = [3, 1, 70, 17], [100, 0, 5, 130]
     args, slot_lists = extend_case(hq, hkv, dim, q_lens, prefix_lens, seed=hq + dim)
     scale = 1 / math.sqrt(dim)

@@ -141,9 +141,9 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
             const float *src = a->q + ((a->q_starts[b] + first + r / G) * Hq + h * G + r % G) * D;
             for (int64_t d = 0; d < D; d++) t->q_t[d * rows + r] = src[d] * a->scale;
             t->limit[r] = (float)(a->causal ? offset + first + r / G + 1 : L);
-        } else {
+        } else { /* padding: the last real row's keys (never empty, no extra blocks), never written out */
             for (int64_t d = 0; d < D; d++) t->q_t[d * rows + r] = 0.f;
-            t->limit[r] = (float)L; /* padding rows see every key: no empty softmax, never written out */
+            t->limit[r] = t->limit[used - 1];
         }
         keys_end = (int64_t)t->limit[r] > keys_end ? (int64_t)t->limit[r] : keys_end;
         t->max[r] = -INFINITY;
@@ -159,7 +159,8 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
             t->values[j] = a->v_cache + slot * row + h * D;
         }
         for (int64_t j = 0; j < padded_keys; j += KEY_GROUP)
-            for (int64_t c0 = 0; c0 < rows; c0 += CHUNK_ROWS) scores_chunk(t->q_t, t->keys + j, rows, D, c0, t->s_t + j * rows);
+            for (int64_t c0 = 0; c0 < rows; c0 += CHUNK_ROWS)
+                scores_chunk(t->q_t, t->keys + j, rows, D, c0, t->s_t + j * rows);
         /* online softmax, vectorized across rows: new max, rescale factor, probabilities */
         vec *restrict mx = (vec *)t->max, *restrict sm = (vec *)t->sum, *restrict corr = (vec *)t->corr;
         const vec *restrict lim = (const vec *)t->limit, none = (vec){0} - INFINITY;
@@ -223,7 +224,8 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
     } else {
         a->failed = 1;
     }
-    free(t.q_t), free(t.s_t), free(t.o_t), free(t.max), free(t.sum), free(t.limit), free(t.corr), free(t.keys), free(t.values);
+    free(t.q_t), free(t.s_t), free(t.o_t), free(t.max), free(t.sum), free(t.limit), free(t.corr);
+    free(t.keys), free(t.values);
 }
 
 /* Request b's q_lens[b] new tokens are q rows [q_starts[b], + q_lens[b]); its keys are the pool slots
@@ -241,7 +243,8 @@ int rb_extend_attention(const float *q, const float *k_cache, const float *v_cac
     int64_t *task_first = malloc(sizeof(int64_t) * (batch + 1));
     if (!task_first) return -1;
     task_first[0] = 0;
-    for (int64_t b = 0; b < batch; b++) task_first[b + 1] = task_first[b] + (q_lens[b] + per_tile - 1) / per_tile * hkv;
+    for (int64_t b = 0; b < batch; b++)
+        task_first[b + 1] = task_first[b] + (q_lens[b] + per_tile - 1) / per_tile * hkv;
     extend_job job = {q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch, hkv, group,
                       dim, per_tile, task_first[batch], causal, scale, out, lse, task_first, 0, 0};
     if (threads > job.tasks) threads = job.tasks;
