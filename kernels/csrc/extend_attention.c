@@ -50,18 +50,10 @@ static inline vec exp_vec(vec x) {
     const vec lo = (vec){0} - 87.0f, hi = (vec){0} + 88.0f;
     x = select_vec(x < lo, lo, x);
     x = select_vec(x > hi, hi, x);
-    const vec n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-    const vec r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    vec p = (vec){0} + 1.f / 5040.f;
-    p = p * r + 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    const vec n = EXP_ROUND_N(x);
+    const vec r = EXP_REDUCE(x, n);
     const ivec two_n = (__builtin_convertvector(n, ivec) + 127) << 23;
-    return p * (vec)two_n;
+    return EXP_TAYLOR7(r) * (vec)two_n;
 }
 
 typedef struct {
