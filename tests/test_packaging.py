@@ -183,3 +183,31 @@ def test_editable_install_imports_from_another_cwd(source: Path, tmp_path: Path)
             f"{MAPPED[folder]} imported from {origin}, expected the editable source {source / folder}"
     assert Path(found["radix_backend"]).resolve() == (source / "radix_backend" / "__init__.py").resolve()
     assert_not_ours(found, [REPO, source])
+
+
+def test_a_checkout_on_sys_path_does_not_shadow_the_kernels_distribution() -> None:
+    """`python -m pytest` (or any `python -m`) from the checkout puts its root first on sys.path,
+    where the source folder `kernels/` would pass for the `kernels` distribution transformers
+    imports. `import kernels` must then give that distribution, or fail when it is not installed,
+    while radix_backend.kernels stays ours."""
+    code = textwrap.dedent("""
+        import importlib.metadata, json
+        try:
+            import kernels
+            found = kernels.__file__
+        except ImportError:
+            found = None
+        try:
+            importlib.metadata.distribution("kernels")
+            installed = True
+        except importlib.metadata.PackageNotFoundError:
+            installed = False
+        import radix_backend.kernels as ours
+        print(json.dumps([found, installed, ours.__name__, hasattr(ours, "create_attention_backend")]))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    found, installed, ours, complete = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (found is not None) == installed
+    assert found is None or not Path(found).resolve().is_relative_to(REPO / "kernels")
+    assert ours == "radix_backend.kernels" and complete
