@@ -3,11 +3,22 @@
 Depends on torch only; nothing here imports radix_backend's engine modules.
 """
 
-if __name__ == "kernels":
+import importlib.metadata
+
+
+def _kernels_distribution_installed() -> bool:
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+if __name__ == "kernels" and _kernels_distribution_installed():
     # This source folder was found as the top-level package `kernels` because a checkout's root is
-    # on sys.path (e.g. `python -m pytest` run from it). That name belongs to the `kernels`
-    # distribution, which transformers (>= 5.25) imports: hand the importer that package instead.
-    import importlib
+    # on sys.path (e.g. `python -m pytest` run from it), but that name belongs to the installed
+    # `kernels` distribution, which transformers (>= 5.25) imports: hand the importer that package.
+    # (Without the distribution, transformers only probes the name, and this package answers.)
     import os
     import sys
 

@@ -194,20 +194,22 @@ def test_editable_install_imports_from_another_cwd(source: Path, tmp_path: Path)
 def test_a_checkout_on_sys_path_does_not_shadow_the_kernels_distribution() -> None:
     """`python -m pytest` (or any `python -m`) from the checkout puts its root first on sys.path,
     where the source folder `kernels/` would pass for the `kernels` distribution transformers
-    imports. `import kernels` must then give that distribution, or fail when it is not installed,
-    while radix_backend.kernels stays ours."""
+    imports (a required dependency from transformers 5.25 on). A model config loads from there
+    (transformers probes or imports `kernels` on the way), `import kernels` gives the distribution
+    when it is installed, and radix_backend.kernels stays ours."""
     code = textwrap.dedent("""
         import importlib.metadata, json
-        try:
-            import kernels
-            found = kernels.__file__
-        except ImportError:
-            found = None
+        import transformers
+        transformers.LlamaConfig()  # imports transformers.integrations.hub_kernels, which probes `kernels`
         try:
             importlib.metadata.distribution("kernels")
             installed = True
         except importlib.metadata.PackageNotFoundError:
             installed = False
+        found = None
+        if installed:
+            import kernels
+            found = kernels.__file__
         import radix_backend.kernels as ours
         print(json.dumps([found, installed, ours.__name__, hasattr(ours, "create_attention_backend")]))
     """)
