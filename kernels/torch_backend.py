@@ -97,16 +97,14 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._plan if planned else self._build_plan(meta)
         tokens, hq, dim = q.shape
         hkv = k_cache.shape[1]
-        if plan.native_extend:
-            if self._native_ok(q, k_cache, v_cache) and native.extend_attention_dim_ok(dim):
-                return self._native_extend(q, k_cache, v_cache, meta, scale)
-            plan = self._build_plan(meta, allow_native=False)
-            if planned:
-                self._plan = plan
-        if plan.native_lens is not None and not self._native_ok(q, k_cache, v_cache):
+        native_ok = self._native_ok(q, k_cache, v_cache) and (native.extend_attention_dim_ok(dim)
+                                                              or not plan.native_extend)
+        if (plan.native_extend or plan.native_lens is not None) and not native_ok:
             plan = self._build_plan(meta, allow_native=False)  # e.g. a bf16 pool: the torch path
             if planned:
                 self._plan = plan
+        if plan.native_extend:
+            return self._native_extend(q, k_cache, v_cache, meta, scale)
         if plan.native_lens is not None:
             out, lse = self._native_decode(q, k_cache, v_cache, meta, plan, scale)
             if not plan.groups:
