@@ -16,7 +16,7 @@ import torch
 
 from . import native
 
-Q4_ROWS = 4  # output rows per block of the packed layout (decode_stack.c)
+Q4_ROWS = 16  # output rows per block of the packed layout (csrc/q4.h)
 GROUP_SIZE = 32  # weights per scale/minimum: GGUF's Q4_1 block
 
 
@@ -39,9 +39,10 @@ class _Dims(ctypes.Structure):
 
 @dataclass
 class PackedQ4:
-    """[N, K] weights w = scale * code + minimum (groups of 32 along K) in the kernel's layout:
-    codes [N/4, K/32, 4, 16] uint8 (code j low nibble, code j+16 high), params [N/4, K/32, 2, 4]
-    fp16 (scales, then minimums: exact for GGUF, which stores them as fp16)."""
+    """[N, K] weights w = scale * code + minimum (groups of 32 along K) in the kernel's layout
+    (csrc/q4.h): codes [N/16, K/32, 4, 16, 4] uint8 (block, group, quad j, row, byte k: feature
+    4j+k in the low nibble, 16+4j+k in the high one), params [N/16, K/32, 2, 16] fp16 (scales, then
+    minimums: exact for GGUF, which stores them as fp16)."""
 
     codes: torch.Tensor
     params: torch.Tensor
@@ -55,7 +56,7 @@ class PackedQ4:
 
 
 def can_pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> bool:
-    """Whether `pack_q4` keeps these weights exactly: N % 4 == 0, K % 32 == 0, and fp16-representable
+    """Whether `pack_q4` keeps these weights exactly: N % 16 == 0, K % 32 == 0, and fp16-representable
     scales and minimums (as GGUF stores them and `quant.q4_1_codes` derives them)."""
     n, k = codes.shape
     return (n % Q4_ROWS == 0 and k % GROUP_SIZE == 0 and torch.equal(scale.half().float(), scale.float())
@@ -70,22 +71,26 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                          f"scales and minimums; got {tuple(codes.shape)}")
     n, k = codes.shape
     groups = k // GROUP_SIZE
-    blocks = codes.to(torch.uint8).view(n // Q4_ROWS, Q4_ROWS, groups, GROUP_SIZE).permute(0, 2, 1, 3)
-    packed = (blocks[..., :16] | (blocks[..., 16:] << 4)).contiguous()
+    blocks = codes.to(torch.uint8).view(n // Q4_ROWS, Q4_ROWS, groups, 2, 4, 4)  # b, row, g, half, j, k
+    quads = blocks.permute(0, 2, 3, 4, 1, 5)  # b, g, half, j, row, k
+    packed = (quads[:, :, 0] | (quads[:, :, 1] << 4)).contiguous()
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/4, G, 4]
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
         return t.view(n // Q4_ROWS, Q4_ROWS, groups).permute(0, 2, 1)
 
     params = torch.stack([per_block(scale), per_block(minimum)], dim=2).half().contiguous()
     return PackedQ4(packed, params, None if bias is None else bias.detach().float().contiguous(), k, n)
 
 
-def q4_matmul(x: torch.Tensor, weight: PackedQ4, threads: int = 1) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) -> [M, N] fp32, the output rows split over `threads` threads."""
+def q4_matmul(x: torch.Tensor, weight: PackedQ4, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] fp32, the output rows split over `threads` threads; the
+    activations enter as 16-bit (~2e-5 relative error) or 8-bit (~0.4 %, half the work) integers."""
+    if activation_bits not in (8, 16):
+        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], weight.out_features)
     if native.library().rb_q4_matmul(ctypes.byref(weight.as_struct()), x.data_ptr(), x.shape[0], out.data_ptr(),
-                                     threads):
+                                     threads, activation_bits):
         raise native.NativeKernelError("4-bit matmul could not allocate its scratch memory")
     return out
 
@@ -133,16 +138,18 @@ class DecodeStack:
 
     def run(self, embeddings: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
             kv_indices: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-            threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+            threads: int = 1, activation_bits: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per request (token t of request t): (last MLP output, residual stream), both
-        [T, hidden], whose sum the model's final norm takes; the linears use `threads` threads.
-        `bind` must have succeeded."""
+        [T, hidden], whose sum the model's final norm takes; the linears use `threads` threads and
+        take their inputs as `activation_bits` integers (see `q4_matmul`). `bind` must have succeeded."""
+        if activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
         residual = embeddings.float().contiguous().clone()
         hidden = torch.empty_like(residual)
         args = [t.to(torch.int64).contiguous() for t in (positions, out_slots, kv_indices, starts, lens)]
         rc = native.library().rb_decode_stack(self._structs, len(self.layers), ctypes.byref(self._dims),
                                               residual.shape[0], *(a.data_ptr() for a in args),
-                                              residual.data_ptr(), hidden.data_ptr(), threads)
+                                              residual.data_ptr(), hidden.data_ptr(), threads, activation_bits)
         if rc:
             raise native.NativeKernelError("the decode step could not allocate its scratch memory")
         return hidden, residual

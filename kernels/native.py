@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "decode_stack.c", CSRC / "q8_matmul.c",
-           CSRC / "thread_pool.c")
-HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "q16.h", CSRC / "thread_pool.h")
+           CSRC / "q4_matmul.c", CSRC / "thread_pool.c")
+HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "q16.h", CSRC / "q4.h", CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "RADIX_BACKEND_NATIVE"
 
@@ -47,9 +47,11 @@ _SIGNATURES = {
     "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
     "rb_silu_and_mul": ([_P, _I, _I, _P], None),
     "rb_silu_and_mul_bf16": ([_P, _I, _I, _P], None),
-    "rb_q4_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
+    "rb_q4_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
     "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
-    "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I], ctypes.c_int),
+    "rb_q8_tiled_supported": ([], ctypes.c_int),
+    "rb_q8_tiled_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
+    "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I], ctypes.c_int),
 }
 
 

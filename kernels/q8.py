@@ -55,6 +55,64 @@ def q8_0_codes(weight: torch.Tensor) -> PackedQ8:
     return packed
 
 
+class _Q8TiledWeight(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+
+
+TILE_ROWS = 16  # output rows per block of the tiled layout
+
+
+@dataclass
+class TiledQ8:
+    """The same Q8_0 weights in blocks of 16 output rows for many activation rows at once
+    (`csrc/q8_matmul.c`, AVX512-VNNI): codes [N/16, K/32, 8, 16, 4] int8 (block, group, quad j,
+    row, features 4j..4j+3), scales [N/16, K/32, 16] fp16, offsets [N/16, K/32, 16] int32
+    (128 * each row's code sum over the group)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    in_features: int
+    out_features: int
+
+    def as_struct(self) -> _Q8TiledWeight:
+        return _Q8TiledWeight(self.codes.data_ptr(), self.scales.data_ptr(), self.offsets.data_ptr(),
+                              self.in_features, self.out_features)
+
+
+def tiled_available() -> bool:
+    """Whether the native kernels here have the tiled 8-bit matmul (built with AVX512-VNNI)."""
+    return native.available() and bool(native.library().rb_q8_tiled_supported())
+
+
+def tile(weight: PackedQ8) -> TiledQ8 | None:
+    """`weight` in the tiled layout, or None where the kernel is missing or N is not a multiple of 16."""
+    n, k = weight.codes.shape
+    if n % TILE_ROWS or not tiled_available():
+        return None
+    groups = k // GROUP_SIZE
+    blocks = weight.codes.view(n // TILE_ROWS, TILE_ROWS, groups, 8, 4)
+    sums = weight.codes.view(n // TILE_ROWS, TILE_ROWS, groups, GROUP_SIZE).sum(-1, dtype=torch.int32)
+    return TiledQ8(blocks.permute(0, 2, 3, 1, 4).contiguous(),
+                   weight.scales.view(n // TILE_ROWS, TILE_ROWS, groups).permute(0, 2, 1).contiguous(),
+                   (128 * sums).permute(0, 2, 1).contiguous(), k, n)
+
+
+def q8_tiled_matmul(x: torch.Tensor, weight: TiledQ8, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] fp32 with the activations as `activation_bits` integers per group
+    of 32 (16: within ~2e-5 of fp32, as `q8_matmul`; 8: ~0.4 % rounding)."""
+    if activation_bits not in (8, 16):
+        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], weight.out_features)
+    rc = native.library().rb_q8_tiled_matmul(ctypes.byref(weight.as_struct()), x.data_ptr(), x.shape[0],
+                                            out.data_ptr(), threads, activation_bits)
+    if rc:
+        raise native.NativeKernelError(f"tiled 8-bit matmul failed ({rc})")
+    return out
+
+
 def q8_matmul(x: torch.Tensor, weight: PackedQ8, threads: int = 1) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] fp32, the output rows split over `threads` threads."""
     x = x.float().contiguous()

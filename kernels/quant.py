@@ -26,6 +26,7 @@ which is how the loader knows it may run a GGUF model in its own precision.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,27 @@ KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized 
 # context, int4 vs bf16 dense: 85 vs 124 ms at batch 8, about even at 12-16, 248 vs 227 at 32;
 # prefill of 1024 tokens 2580 vs 1712 ms). With the weight in cache the crossover is ~8 rows.
 SMALL_BATCH_ROWS = 16
+# The native 4-bit kernel takes larger batches' activations (prefill, decode of > 16 requests) as
+# 8-bit integers per group of 32, about 1.8x the speed of 16-bit ones; 16 keeps every product
+# within ~2e-5 of fp32, and the greedy tokens then equal the fp32 reference's (measured on the
+# bench workloads: 127/127 outputs, against 94/127 with 8 bits; BENCHMARKS.md).
+ACTIVATION_BITS_ENV = "RADIX_BACKEND_ACTIVATION_BITS"
+
+
+def _large_batch_activation_bits() -> int:
+    value = os.environ.get(ACTIVATION_BITS_ENV, "8")
+    if value not in ("8", "16"):
+        raise ValueError(f"{ACTIVATION_BITS_ENV} must be 8 or 16, got {value!r}")
+    return int(value)
+
+
+LARGE_BATCH_ACTIVATION_BITS = _large_batch_activation_bits()
+
+
+def activation_bits(rows: int) -> int:
+    """Activation integers of the native 4-bit kernel for a matmul of `rows` rows: 16 bits (the
+    fp32 result within ~2e-5) for small batches, whose speed the weight bytes set anyway."""
+    return 16 if rows <= SMALL_BATCH_ROWS else LARGE_BATCH_ACTIVATION_BITS
 
 
 @dataclass
@@ -122,16 +144,19 @@ class _LowBitLinear(nn.Module):
 
 
 class Int4Linear(_LowBitLinear):
-    """Weights held as packed 4-bit codes with a scale and a minimum (or zero) per group of 32:
-    in the native kernel's layout where it builds (`native_q4`), else in torch's int4pack one."""
+    """Weights held as packed 4-bit codes with a scale and a minimum (or zero) per group of 32: in
+    the native kernel's layout where it builds (`native_q4`), which serves every batch size (16-bit
+    activations up to `SMALL_BATCH_ROWS` rows, `LARGE_BATCH_ACTIVATION_BITS` above: see
+    `activation_bits`; no dense copy is kept), else in torch's int4pack one with a dense copy for large batches."""
 
     small_batch_rows = SMALL_BATCH_ROWS
 
     def __init__(self, q: Int4Codes, bias: torch.Tensor | None = None, dense_dtype: torch.dtype | None = None,
                  use_native: bool = True) -> None:
-        super().__init__(q.codes.shape, bias, None if dense_dtype is None else q.dequantize().to(dense_dtype))
+        native_ok = use_native and native.available() and decode_stack.can_pack(q.codes, q.scale, q.minimum)
+        super().__init__(q.codes.shape, bias, None if dense_dtype is None or native_ok else q.dequantize().to(dense_dtype))
         self.native_q4 = None
-        if use_native and native.available() and decode_stack.can_pack(q.codes, q.scale, q.minimum):
+        if native_ok:
             self.native_q4 = decode_stack.pack_q4(q.codes, q.scale, q.minimum)
             self.register_buffer("native_codes", self.native_q4.codes)  # counted in the model's buffers
             self.register_buffer("native_params", self.native_q4.params)
@@ -143,7 +168,8 @@ class Int4Linear(_LowBitLinear):
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_q4 is not None:
-            return decode_stack.q4_matmul(x, self.native_q4, threads=torch.get_num_threads())
+            return decode_stack.q4_matmul(x, self.native_q4, threads=torch.get_num_threads(),
+                                          activation_bits=activation_bits(x.shape[0]))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, GROUP_SIZE,
                                                           self.scales_and_zeros)
 
@@ -154,7 +180,10 @@ class Int4Linear(_LowBitLinear):
 
 class Int8Linear(_LowBitLinear):
     """Weights held as int8 codes: natively in GGUF's Q8_0 layout (an fp16 scale per 32 weights of a
-    row, `q8.py`) where the native kernels build, else with one bf16 scale per row for torch's kernel."""
+    row, `q8.py`) where the native kernels build, else with one bf16 scale per row for torch's kernel.
+    With AVX512-VNNI the native codes are also tiled for many rows (`q8.tile`), which serves every
+    batch size on 16-bit activations (the LM head decides the tokens, so it stays exact) and needs
+    no dense copy."""
 
     # torch's int8 kernel slows down faster with rows than the int4 one (SmolLM2's 49152x576 head:
     # 2.9 ms at 1 row, 5.6 at 8, 25 at 32, against ~9 ms for the bf16 dense copy at 32)
@@ -162,27 +191,36 @@ class Int8Linear(_LowBitLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  dense_dtype: torch.dtype | None = None, use_native: bool = True) -> None:
-        packed = None
+        packed = tiled = None
         if use_native and native.available() and weight.shape[1] % q8.GROUP_SIZE == 0:
             packed = q8.q8_0_codes(weight)
+            tiled = q8.tile(packed)
             codes, scale = packed.codes, packed.scales
-            dense = None if dense_dtype is None else packed.dequantize().to(dense_dtype)
+            dense = None if dense_dtype is None or tiled is not None else packed.dequantize().to(dense_dtype)
         else:
             codes, row_scale = int8_rows(weight)
             scale = row_scale.to(KERNEL_DTYPE)
             dense = None if dense_dtype is None else (codes.float() * row_scale[:, None]).to(dense_dtype)
         super().__init__(codes.shape, bias, dense)
-        self.native_q8 = packed
-        self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale)
+        self.native_q8, self.native_q8_tiled = packed, tiled
+        if tiled is None:
+            self.register_buffer("codes", codes)
+            self.register_buffer("scale", scale)
+        else:  # the row layout stays on `native_q8` for dequantize(); the kernel reads the tiles
+            self.register_buffer("tiled_codes", tiled.codes)
+            self.register_buffer("tiled_scales", tiled.scales)
+            self.register_buffer("tiled_offsets", tiled.offsets)
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_q8_tiled is not None:
+            return q8.q8_tiled_matmul(x, self.native_q8_tiled, threads=torch.get_num_threads())
         if self.native_q8 is not None:
             return q8.q8_matmul(x, self.native_q8, threads=torch.get_num_threads())
         return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.codes, self.scale)
 
     def extra_repr(self) -> str:
-        layout = "Q8_0 g32 (native)" if self.native_q8 is not None else "per-row (torch)"
+        layout = ("Q8_0 g32 (native, tiled)" if self.native_q8_tiled is not None
+                  else "Q8_0 g32 (native)" if self.native_q8 is not None else "per-row (torch)")
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 {layout}"
 
 

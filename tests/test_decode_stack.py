@@ -31,24 +31,51 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
+    """What the 8-bit activation format keeps of x: round(x * 127 / m) * (m / 127) per group of 32,
+    m = max|x|, the rounding in fp32 as the kernel does it."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    return (torch.round(groups * (127 / amax)).double() * (amax / 127).double()).view(x.shape)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 300])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_q4_matmul_computes_with_the_exact_weights(rows, threads):
     q = random_q4(96, 320, seed=rows)
     bias = torch.randn(96)
     packed = decode_stack.pack_q4(q.codes, q.scale, q.minimum, bias)
     x = torch.randn(rows, 320)
-    want = x.double() @ q.dequantize().double().t() + bias.double()
+    weight = q.dequantize().double()
+    want = x.double() @ weight.t() + bias.double()
     # 16-bit integer activations: ~1e-5 of the largest output; torch's bf16 int4 kernel is ~4e-3
     assert relative_error(decode_stack.q4_matmul(x, packed, threads=threads), want) < 1e-4
+    # 8-bit ones: the product of the rounded activations (up to fp32 summation and, rarely, a
+    # rounding tie decided one step apart: 4e-4 here), which is ~1 % off the fp32 product at most
+    got8 = decode_stack.q4_matmul(x, packed, threads=threads, activation_bits=8)
+    assert relative_error(got8, rounded_to_8_bits(x) @ weight.t() + bias.double()) < 1e-3
+    assert relative_error(got8, want) < 2e-2
+    with pytest.raises(ValueError, match="activation_bits"):
+        decode_stack.q4_matmul(x, packed, activation_bits=4)
+
+
+def test_int4_linear_takes_large_batches_in_8_bits_and_small_ones_in_16():
+    q = random_q4(64, 128, seed=3)
+    layer = quant.Int4Linear(q, dense_dtype=torch.bfloat16)
+    assert layer.native_q4 is not None and layer.dense_weight is None  # no dense copy beside the codes
+    weight = q.dequantize().double()
+    small, large = torch.randn(quant.SMALL_BATCH_ROWS, 128), torch.randn(quant.SMALL_BATCH_ROWS + 1, 128)
+    assert relative_error(layer(small), small.double() @ weight.t()) < 1e-4
+    want = (rounded_to_8_bits(large) if quant.LARGE_BATCH_ACTIVATION_BITS == 8 else large.double()) @ weight.t()
+    assert relative_error(layer(large), want) < 1e-3
 
 
 def test_q4_packing_refuses_what_it_cannot_keep_exactly():
-    q = random_q4(8, 64, seed=0)
+    q = random_q4(16, 64, seed=0)
     assert decode_stack.can_pack(q.codes, q.scale, q.minimum)
     with pytest.raises(ValueError, match="fp16-representable"):
         decode_stack.pack_q4(q.codes, q.scale + 1e-9, q.minimum)
-    odd = random_q4(6, 64, seed=1)  # 6 rows: not whole blocks of 4
+    odd = random_q4(24, 64, seed=1)  # 24 rows: not whole blocks of 16
     assert not decode_stack.can_pack(odd.codes, odd.scale, odd.minimum)
     fine = random_q4(16, 64, seed=2)
     fine.scale = fine.scale + 1e-9  # scales finer than fp16
@@ -71,6 +98,20 @@ def test_q8_0_codes_recover_q8_0_weights_and_the_matmul_is_exact_on_them():
     assert head.native_q8 is not None
     x = torch.randn(2, 96, generator=gen)
     assert relative_error(head(x), x.double() @ weight.double().t()) < 1e-4
+
+
+@pytest.mark.skipif(not q8.tiled_available(), reason="the tiled 8-bit kernel needs AVX512-VNNI")
+@pytest.mark.parametrize("rows,threads", [(1, 1), (7, 2), (33, 2)])
+def test_tiled_q8_matmul_is_the_row_kernel_on_many_rows(rows, threads):
+    gen = torch.Generator().manual_seed(rows)
+    packed = q8.q8_0_codes(torch.randn(80, 128, generator=gen) * 0.05)
+    tiled = q8.tile(packed)
+    weight = packed.dequantize().double()
+    x = torch.randn(rows, 128, generator=gen) * 3
+    assert relative_error(q8.q8_tiled_matmul(x, tiled, threads=threads), x.double() @ weight.t()) < 1e-4
+    got8 = q8.q8_tiled_matmul(x, tiled, threads=threads, activation_bits=8)
+    assert relative_error(got8, rounded_to_8_bits(x) @ weight.t()) < 1e-3
+    assert q8.tile(q8.q8_0_codes(torch.randn(24, 64, generator=gen))) is None  # not whole blocks of 16
 
 
 def test_q8_0_codes_match_gguf():
@@ -202,9 +243,10 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
     packed8 = q8.q8_0_codes(torch.randn(48, 192, generator=torch.Generator().manual_seed(10)))
     x = torch.randn(6, 192, generator=torch.Generator().manual_seed(11))
     got4, got8 = torch.empty(6, 64), torch.empty(6, 48)
-    assert lib.rb_q4_matmul(ctypes.byref(packed4.as_struct()), x.data_ptr(), 6, got4.data_ptr(), 2) == 0
+    for bits in (16, 8):
+        assert lib.rb_q4_matmul(ctypes.byref(packed4.as_struct()), x.data_ptr(), 6, got4.data_ptr(), 2, bits) == 0
+        torch.testing.assert_close(got4, decode_stack.q4_matmul(x, packed4, activation_bits=bits), rtol=1e-5, atol=1e-5)
     assert lib.rb_q8_matmul(ctypes.byref(packed8.as_struct()), x.data_ptr(), 6, got8.data_ptr(), 2) == 0
-    torch.testing.assert_close(got4, decode_stack.q4_matmul(x, packed4), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got8, q8.q8_matmul(x, packed8), rtol=1e-5, atol=1e-5)
     # extend attention, whose vector code is 16 floats wide with AVX-512 and 8 otherwise
     gen = torch.Generator().manual_seed(12)

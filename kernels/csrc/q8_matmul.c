@@ -7,6 +7,7 @@
    (`vpdpwssd` with AVX512-VNNI, `vpmaddwd` with AVX2): per row and group,
    y += scale * q_scale * sum_j code_j * q_j. */
 #include "q16.h"
+#include "q4.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -98,3 +99,122 @@ int rb_q8_matmul(const rb_q8_weight *w, const float *x, int64_t M, float *y, int
     free(q);
     return 0;
 }
+
+/* ---- the same weights tiled for many rows -----------------------------------------------------
+   The row-at-a-time kernel above re-reads the whole head per activation row; with VNNI the head
+   is also kept as blocks of 16 rows (one int32 lane each, as q4_matmul.c does for 4 bits) so a
+   group's codes meet a tile of activation rows at once. vpdpbusd multiplies unsigned by signed
+   bytes: the codes stay signed and the activations' digits are stored + 128 (q4.h), which adds
+   128 * sum(codes) per group and plane to each dot product; `offsets` holds that sum and it is
+   subtracted in int32, so the result is exact as in the row kernel. */
+typedef struct {
+    const int8_t *codes;    /* [N / 16, K / 32, 8, 16, 4]: quad j = features 4j .. 4j + 3 of the 16 rows */
+    const _Float16 *scales; /* [N / 16, K / 32, 16] */
+    const int32_t *offsets; /* [N / 16, K / 32, 16]: 128 * the row's code sum over the group */
+    int64_t in, out;        /* in a multiple of 32, out a multiple of 16 */
+} rb_q8_tiled_weight;
+
+#define Q8_TILE 8 /* activation rows per pass over a block's codes */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void q8_tile(const int8_t *codes, const _Float16 *scales,
+                                                          const int32_t *offsets, const q4_activations *x,
+                                                          int64_t row0, int64_t groups, float *out, const int R,
+                                                          const int P) {
+    __m512 acc[Q8_TILE];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * 16)));
+        __m512i offset = _mm512_loadu_si512((const void *)(offsets + g * 16));
+        if (P == 2) offset = _mm512_mullo_epi32(offset, _mm512_set1_epi32(257)); /* 256 * high + low */
+        __m512i c[8];
+        for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512((const void *)(codes + (g * 8 + j) * 64));
+        for (int i = 0; i < R; i++) {
+            const int64_t at = (row0 + i) * groups + g;
+            const int8_t *q = x->digits + at * P * 32;
+            __m512i dot = _mm512_setzero_si512();
+            for (int p = 0; p < P; p++) {
+                if (p) dot = _mm512_slli_epi32(dot, 8);
+                for (int j = 0; j < 8; j++) dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi32(load_i32(q + p * 32 + 4 * j)), c[j]);
+            }
+            dot = _mm512_sub_epi32(dot, offset);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(x->scale[at])), acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(out + i * 16, acc[i]);
+}
+
+#define Q8_TILE_CASE(r)                                                                               \
+    case r:                                                                                           \
+        if (x->planes == 1) q8_tile(codes, scales, offsets, x, row0, groups, out, r, 1);              \
+        else q8_tile(codes, scales, offsets, x, row0, groups, out, r, 2);                             \
+        break;
+
+static void q8_tiled_rows(const int8_t *codes, const _Float16 *scales, const int32_t *offsets,
+                          const q4_activations *x, int64_t row0, int64_t rows, int64_t groups, float *out) {
+    switch (rows) {
+    Q8_TILE_CASE(1)
+    Q8_TILE_CASE(2)
+    Q8_TILE_CASE(3)
+    Q8_TILE_CASE(4)
+    Q8_TILE_CASE(5)
+    Q8_TILE_CASE(6)
+    Q8_TILE_CASE(7)
+    default:
+        if (x->planes == 1) q8_tile(codes, scales, offsets, x, row0, groups, out, Q8_TILE, 1);
+        else q8_tile(codes, scales, offsets, x, row0, groups, out, Q8_TILE, 2);
+    }
+}
+
+typedef struct {
+    const rb_q8_tiled_weight *w;
+    const q4_activations *x;
+    int64_t M;
+    float *y;
+} q8_tiled_job;
+
+static void q8_tiled_part(void *ctx, int64_t part, int64_t parts) {
+    const q8_tiled_job *job = (const q8_tiled_job *)ctx;
+    const rb_q8_tiled_weight *w = job->w;
+    const int64_t groups = w->in / 32, blocks = w->out / 16;
+    for (int64_t block = blocks * part / parts; block < blocks * (part + 1) / parts; block++)
+        for (int64_t m0 = 0; m0 < job->M; m0 += Q8_TILE) {
+            const int64_t rows = job->M - m0 < Q8_TILE ? job->M - m0 : Q8_TILE;
+            float out[Q8_TILE * 16];
+            q8_tiled_rows(w->codes + block * groups * 8 * 64, w->scales + block * groups * 16,
+                          w->offsets + block * groups * 16, job->x, m0, rows, groups, out);
+            for (int64_t i = 0; i < rows; i++) memcpy(job->y + (m0 + i) * w->out + block * 16, out + i * 16, 16 * sizeof(float));
+        }
+}
+
+int rb_q8_tiled_supported(void) { return 1; }
+
+/* y [M, N] = x [M, K] @ W^T with the activations in 8 or 16 bits (q4.h). Returns 0, -1 if memory
+   ran out, -2 for other `bits`. */
+int rb_q8_tiled_matmul(const rb_q8_tiled_weight *w, const float *x, int64_t M, float *y, int64_t threads,
+                       int64_t bits) {
+    if (bits != 8 && bits != 16) return -2;
+    q4_activations q;
+    if (q4_activations_alloc(&q, M, w->in, (int)(bits / 8))) return -1;
+    q.offset_digits = 1;
+    q4_quantize(x, M, w->in, &q, threads);
+    q8_tiled_job job = {w, &q, M, y};
+    rb_parallel(q8_tiled_part, &job, threads);
+    q4_activations_free(&q);
+    return 0;
+}
+#else
+int rb_q8_tiled_supported(void) { return 0; }
+
+int rb_q8_tiled_matmul(const rb_q8_tiled_weight *w, const float *x, int64_t M, float *y, int64_t threads,
+                       int64_t bits) {
+    (void)w, (void)x, (void)M, (void)y, (void)threads, (void)bits;
+    return -3; /* built without AVX512-VNNI */
+}
+#endif

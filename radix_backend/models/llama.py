@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radix_backend.kernels import ops
+from radix_backend.kernels import ops, quant
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
 from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights
 
@@ -30,7 +30,7 @@ from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights
 # 32 74/73 vs 82/78; at 48 about even (109-133 vs 105-121). Measured again on another day (same VM
 # type, 100-token contexts, two rounds): 8 32/32 vs 37/39, 16 52/51 vs 58/60, 24 64/65 vs 58/66,
 # 32 87/86 vs 76/79: 24 is about even on both days, so larger steps keep the dense GEMMs.
-DECODE_STACK_MAX_TOKENS = 24
+DECODE_STACK_MAX_TOKENS = 64
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -209,7 +209,8 @@ class LlamaForCausalLM(nn.Module):
         if (stack is not None and input_ids.shape[0] <= DECODE_STACK_MAX_TOKENS
                 and (slots := backend.native_decode_slots(meta)) is not None and stack.bind(kv_caches)):
             threads = self.head_threads or torch.get_num_threads()  # the step's thread budget
-            hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads)
+            hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads,
+                                         activation_bits=quant.activation_bits(input_ids.shape[0]))
         else:
             residual = None
             for layer, kv in zip(self.layers, kv_caches):

@@ -1,0 +1,310 @@
+/* 4-bit weights times fp32 rows (layout and activation formats: q4.h).
+
+   Per output row n and group g, the codes' dot product with the activations' integers is exact in
+   int32 (VNNI `vpdpbusd`: u8 codes times s8 activations, 4 products per int32 lane; AVX2's
+   `vpmaddubsw` + `vpmaddwd` elsewhere), and
+       y[m, n] = sum_g scale[n, g] * xscale[m, g] * dot + minimum[n, g] * xsum[m, g].
+   Each int32 lane is one output row (16 rows per 512-bit vector), so a group costs 8 integer
+   instructions per activation row and plane, and the float work (convert, two multiply-adds) is
+   paid once per 32 products per lane. A block's codes are unpacked once per group for a tile of
+   activation rows; a thread owns a range of blocks and sweeps them for a chunk of rows at a time,
+   so the chunk's activations stay in L2. */
+#include "q4.h"
+#include "thread_pool.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define Q8_MAX 127
+#define Q16_MAX 32639 /* 127 * 256 + 127: the largest value two int8 digits hold */
+
+int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
+    const int64_t groups = M * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
+    x->digits = (int8_t *)aligned_alloc(64, bytes + ((2 * sizeof(float) * groups + 63) / 64) * 64);
+    if (!x->digits) return -1;
+    x->scale = (float *)(x->digits + bytes);
+    x->sum = x->scale + groups;
+    x->planes = planes;
+    x->offset_digits = 0;
+    return 0;
+}
+
+void q4_activations_free(q4_activations *x) { free(x->digits); }
+
+/* One group as integers q = round(x / scale), scale = max|x| / largest (q4.h's formats), written
+   as its digits; the group's scale and scale * sum(q) go to *scale and *sum. The vector versions
+   compute exactly what the scalar one does (round-to-nearest-even conversion of the same
+   products), so every build quantizes alike. */
+static inline void store_digits(const int32_t q[32], int planes, int offset, int8_t *d) {
+    const uint8_t flip = offset ? 0x80 : 0; /* s8 v ^ 0x80 is the uint8 v + 128 */
+    for (int i = 0; i < 32; i++) {
+        if (planes == 1) {
+            d[i] = (int8_t)((uint8_t)q[i] ^ flip);
+        } else {
+            const int32_t low = ((q[i] + 128) & 255) - 128;
+            d[i] = (int8_t)((uint8_t)((q[i] - low) / 256) ^ flip), d[32 + i] = (int8_t)((uint8_t)low ^ flip);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
+                           float *sum) {
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? (float)largest / amax : 0.f);
+    const __m512i hi = _mm512_set1_epi32(largest), lo = _mm512_set1_epi32(-largest);
+    const __m512i qa = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), hi), lo);
+    const __m512i qb = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), hi), lo);
+    int32_t q[32];
+    _mm512_storeu_si512((void *)q, qa);
+    _mm512_storeu_si512((void *)(q + 16), qb);
+    *scale = amax / (float)largest;
+    *sum = *scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    if (planes == 1) {
+        const __m128i flip = _mm_set1_epi8(offset ? (char)0x80 : 0);
+        _mm_storeu_si128((__m128i *)d, _mm_xor_si128(_mm512_cvtepi32_epi8(qa), flip));
+        _mm_storeu_si128((__m128i *)(d + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(qb), flip));
+    } else {
+        store_digits(q, planes, offset, d);
+    }
+}
+#else
+static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
+                           float *sum) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float inv = amax > 0.f ? (float)largest / amax : 0.f;
+    int32_t q[32], total = 0;
+    for (int i = 0; i < 32; i++) {
+        const int32_t v = (int32_t)lrintf(x[i] * inv);
+        q[i] = v > largest ? largest : (v < -largest ? -largest : v);
+        total += q[i];
+    }
+    *scale = amax / (float)largest;
+    *sum = *scale * (float)total;
+    store_digits(q, planes, offset, d);
+}
+#endif
+
+typedef struct {
+    const float *x;
+    int64_t groups; /* M * K / 32 */
+    q4_activations *out;
+} quantize_job;
+
+static void quantize_part(void *ctx, int64_t part, int64_t parts) {
+    const quantize_job *job = (const quantize_job *)ctx;
+    const int planes = job->out->planes;
+    const int32_t largest = planes == 1 ? Q8_MAX : Q16_MAX;
+    for (int64_t at = job->groups * part / parts; at < job->groups * (part + 1) / parts; at++)
+        quantize_group(job->x + at * 32, largest, planes, job->out->offset_digits, job->out->digits + at * planes * 32, job->out->scale + at,
+                       job->out->sum + at);
+}
+
+void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads) {
+    quantize_job job = {x, M * (K / 32), out};
+    rb_parallel(quantize_part, &job, M * K >= 8192 ? threads : 1); /* a thread hand-off costs ~1 us */
+}
+
+#define TILE 8 /* activation rows per pass over a block's codes */
+
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* out[i * 16 + r]: the 16 rows of one block for activation rows row0 .. row0 + R - 1 (R and P are
+   constants after inlining, so the accumulators stay in registers) */
+static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
+                                                          const q4_activations *x, int64_t row0, int64_t groups,
+                                                          float *out, const int R, const int P) {
+    __m512 acc[TILE];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(15);
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS)));
+        const __m512 minimums = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS + Q4_ROWS)));
+        __m512i low[4], high[4];
+        for (int j = 0; j < 4; j++) {
+            const __m512i c = _mm512_loadu_si512((const void *)(codes + (g * 4 + j) * 64));
+            low[j] = _mm512_and_si512(c, nibble);
+            high[j] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+        }
+        for (int i = 0; i < R; i++) {
+            const int64_t at = (row0 + i) * groups + g;
+            const int8_t *q = x->digits + at * P * 32;
+            __m512i dot = _mm512_setzero_si512();
+            for (int p = 0; p < P; p++) {
+                if (p) dot = _mm512_slli_epi32(dot, 8);
+                for (int j = 0; j < 4; j++) dot = _mm512_dpbusd_epi32(dot, low[j], _mm512_set1_epi32(load_i32(q + p * 32 + 4 * j)));
+                for (int j = 0; j < 4; j++) dot = _mm512_dpbusd_epi32(dot, high[j], _mm512_set1_epi32(load_i32(q + p * 32 + 16 + 4 * j)));
+            }
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[at])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(minimums, _mm512_set1_ps(x->sum[at]), acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(out + i * Q4_ROWS, acc[i]);
+}
+#define HAVE_Q4_TILE 1
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#undef TILE
+#define TILE 4 /* 16 ymm registers: 8 hold a half block's codes */
+
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else /* codes <= 15, |digits| <= 128: the pairwise int16 sums cannot saturate */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* as above on 32-byte vectors, one half block (8 rows) at a time */
+static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
+                                                          const q4_activations *x, int64_t row0, int64_t groups,
+                                                          float *out, const int R, const int P) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TILE];
+        for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + h * 8)));
+            const __m256 minimums = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + Q4_ROWS + h * 8)));
+            __m256i low[4], high[4];
+            for (int j = 0; j < 4; j++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + (g * 4 + j) * 64 + h * 32));
+                low[j] = _mm256_and_si256(c, nibble);
+                high[j] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            }
+            for (int i = 0; i < R; i++) {
+                const int64_t at = (row0 + i) * groups + g;
+                const int8_t *q = x->digits + at * P * 32;
+                __m256i dot = _mm256_setzero_si256();
+                for (int p = 0; p < P; p++) {
+                    if (p) dot = _mm256_slli_epi32(dot, 8);
+                    for (int j = 0; j < 4; j++) dot = dot_u8s8(dot, low[j], _mm256_set1_epi32(load_i32(q + p * 32 + 4 * j)));
+                    for (int j = 0; j < 4; j++) dot = dot_u8s8(dot, high[j], _mm256_set1_epi32(load_i32(q + p * 32 + 16 + 4 * j)));
+                }
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scales, _mm256_set1_ps(x->scale[at])), acc[i]);
+                acc[i] = _mm256_fmadd_ps(minimums, _mm256_set1_ps(x->sum[at]), acc[i]);
+            }
+        }
+        for (int i = 0; i < R; i++) _mm256_storeu_ps(out + i * Q4_ROWS + h * 8, acc[i]);
+    }
+}
+#define HAVE_Q4_TILE 1
+#endif
+
+#ifdef HAVE_Q4_TILE
+#define TILE_CASE(r)                                                                                  \
+    case r:                                                                                           \
+        if (x->planes == 1) q4_tile(codes, params, x, row0, groups, out, r, 1);                       \
+        else q4_tile(codes, params, x, row0, groups, out, r, 2);                                      \
+        break;
+
+static void q4_rows(const uint8_t *codes, const _Float16 *params, const q4_activations *x, int64_t row0,
+                    int64_t rows, int64_t groups, float *out) {
+    switch (rows) {
+    TILE_CASE(1)
+    TILE_CASE(2)
+    TILE_CASE(3)
+#if TILE > 4
+    TILE_CASE(4)
+    TILE_CASE(5)
+    TILE_CASE(6)
+    TILE_CASE(7)
+#endif
+    default:
+        if (x->planes == 1) q4_tile(codes, params, x, row0, groups, out, TILE, 1);
+        else q4_tile(codes, params, x, row0, groups, out, TILE, 2);
+    }
+}
+#else
+/* portable: the same integer arithmetic, one product at a time */
+static void q4_rows(const uint8_t *codes, const _Float16 *params, const q4_activations *x, int64_t row0,
+                    int64_t rows, int64_t groups, float *out) {
+    const int P = x->planes;
+    for (int64_t i = 0; i < rows; i++)
+        for (int r = 0; r < Q4_ROWS; r++) {
+            float total = 0.f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t at = (row0 + i) * groups + g;
+                const int8_t *q = x->digits + at * P * 32;
+                int32_t dot = 0;
+                for (int p = 0; p < P; p++) {
+                    dot *= 256;
+                    for (int j = 0; j < 4; j++)
+                        for (int k = 0; k < 4; k++) {
+                            const uint8_t c = codes[((g * 4 + j) * Q4_ROWS + r) * 4 + k];
+                            dot += (c & 15) * q[p * 32 + 4 * j + k] + (c >> 4) * q[p * 32 + 16 + 4 * j + k];
+                        }
+                }
+                total += (float)params[g * 2 * Q4_ROWS + r] * x->scale[at] * (float)dot
+                       + (float)params[g * 2 * Q4_ROWS + Q4_ROWS + r] * x->sum[at];
+            }
+            out[i * Q4_ROWS + r] = total;
+        }
+}
+#undef TILE
+#define TILE 1
+#endif
+
+#define ROW_CHUNK 256 /* activation rows per sweep over a thread's blocks (their digits stay in L2) */
+
+typedef struct {
+    const rb_q4_weight *w;
+    const q4_activations *x;
+    int64_t M;
+    float *y;
+} q4_job;
+
+static void q4_part(void *ctx, int64_t part, int64_t parts) {
+    const q4_job *job = (const q4_job *)ctx;
+    const rb_q4_weight *w = job->w;
+    const int64_t groups = w->in / 32, blocks = w->out / Q4_ROWS;
+    const int64_t first = blocks * part / parts, last = blocks * (part + 1) / parts;
+    for (int64_t c0 = 0; c0 < job->M; c0 += ROW_CHUNK) {
+        const int64_t c1 = c0 + ROW_CHUNK < job->M ? c0 + ROW_CHUNK : job->M;
+        for (int64_t block = first; block < last; block++) {
+            const uint8_t *codes = w->codes + block * groups * 4 * Q4_ROWS * 4;
+            const _Float16 *params = w->params + block * groups * 2 * Q4_ROWS;
+            const float *bias = w->bias ? w->bias + block * Q4_ROWS : NULL;
+            for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
+                const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
+                float out[TILE * Q4_ROWS];
+                q4_rows(codes, params, job->x, m0, rows, groups, out);
+                for (int64_t i = 0; i < rows; i++) {
+                    float *ym = job->y + (m0 + i) * w->out + block * Q4_ROWS;
+                    for (int r = 0; r < Q4_ROWS; r++) ym[r] = out[i * Q4_ROWS + r] + (bias ? bias[r] : 0.f);
+                }
+            }
+        }
+    }
+}
+
+void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
+               int64_t threads) {
+    scratch->offset_digits = 0;
+    q4_quantize(x, M, w->in, scratch, threads);
+    q4_job job = {w, scratch, M, y};
+    rb_parallel(q4_part, &job, threads);
+}
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) on `threads` threads, the activations in 8 (bits = 8) or 16
+   bits. Returns 0, -1 if memory ran out, -2 for another `bits`. */
+int rb_q4_matmul(const rb_q4_weight *w, const float *x, int64_t M, float *y, int64_t threads, int64_t bits) {
+    if (bits != 8 && bits != 16) return -2;
+    q4_activations q;
+    if (q4_activations_alloc(&q, M, w->in, bits / 8)) return -1;
+    q4_linear(w, x, M, &q, y, threads);
+    q4_activations_free(&q);
+    return 0;
+}
