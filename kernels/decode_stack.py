@@ -5,6 +5,8 @@ casts around torch's int4 kernel) than for streaming the weights. `DecodeStack` 
 layer's norms, 4-bit linears, RoPE, K/V write and attention over the paged pool to C at once, on
 fp32 activations and the GGUF's exact Q4_1 weights. It serves decode steps only (one new token per
 request) of Llama-style layers without q/k norms; the caller keeps the torch path for the rest.
+`pack_q4` / `q4_matmul` are the 4-bit layout and matmul (`csrc/q4_matmul.c`) it and `quant.Int4Linear`
+share.
 """
 
 from __future__ import annotations

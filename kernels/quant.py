@@ -1,11 +1,12 @@
-"""Weight-only quantized linears for CPU decode, on torch's maintained packed-weight kernels.
+"""Weight-only quantized linears on the CPU: our native kernels, else torch's packed-weight ones.
 
 Batch-1 decode reads every weight once per token, so bytes per weight set its speed. Two layers:
 
 - `Int4Linear`: 4-bit codes with a scale and a minimum per group of 32 input features, i.e.
   GGUF's Q4_1 block (w = d * q + m, q in 0..15). Where the native kernels build (`native.py`) it
   runs our own 4-bit kernel (`decode_stack.q4_matmul`: the exact fp16 scale/minimum, integer dot
-  products on 16-bit activations, ~2e-5 relative error, and about twice torch's speed at one row).
+  products on 16-bit activations, ~2e-5 relative error, for up to 16 rows; 8-bit ones, ~5e-3 and
+  about 1.8x faster, above: `activation_bits`) for every batch size.
   Elsewhere it runs `aten._weight_int4pack_mm_for_cpu`, whose weights are (q - 8) * scale + zero,
   so zero = m + 8 * d; that kernel takes bf16 activations and bf16 scale/zero (its fp32/fp16 paths
   are unvectorized and ~30x slower), ~4e-3 relative error; the result is cast back to the input dtype.
@@ -13,9 +14,10 @@ Batch-1 decode reads every weight once per token, so bytes per weight set its sp
   for a GGUF's Q8_0 head; `q8.py`), else one scale per output row for `aten._weight_int8pack_mm`
   (bf16 activations). The LM head of a GGUF model and the int8 option for fp checkpoints.
 
-Both kernels read few bytes but compute slowly, so they win only for a few rows (decode of a
-small batch). Prefill and large decode batches run a dense GEMM on the same dequantized weights,
-in bf16 where the CPU has native bf16 and fp32 elsewhere (`dense_dtype_for_large_batches`).
+torch's kernels read few bytes but compute slowly, so they win only for a few rows; where they
+serve (no native kernels, or no AVX512-VNNI for the tiled 8-bit head), prefill and large decode
+batches run a dense GEMM on the same dequantized weights, in bf16 where the CPU has native bf16
+and fp32 elsewhere (`dense_dtype_for_large_batches`).
 
 `q4_1_codes` derives Q4_1 codes from dequantized weights. llama.cpp's Q4_1 quantizer sets
 m = block min and d = (max - min) / 15 (rounded to fp16), so a weight dequantized from Q4_1 is

@@ -4,6 +4,7 @@
 #ifndef RB_Q4_H
 #define RB_Q4_H
 #include <stdint.h>
+#include <string.h>
 
 #define Q4_ROWS 16 /* output rows per block of the packed layout: one int32 lane each in 512 bits */
 
@@ -39,5 +40,12 @@ void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int6
    features), the output rows split over `threads` threads */
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
                int64_t threads);
+
+/* 4 activation digits as one int32, to broadcast against 4 features of every weight row */
+static inline int32_t load_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 #endif

@@ -113,12 +113,6 @@ void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int6
 
 #define TILE 8 /* activation rows per pass over a block's codes */
 
-static inline int32_t load_i32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* out[i * 16 + r]: the 16 rows of one block for activation rows row0 .. row0 + R - 1 (R and P are
    constants after inlining, so the accumulators stay in registers) */

@@ -117,12 +117,6 @@ typedef struct {
 #define Q8_TILE 8 /* activation rows per pass over a block's codes */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-static inline int32_t load_i32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
 static inline __attribute__((always_inline)) void q8_tile(const int8_t *codes, const _Float16 *scales,
                                                           const int32_t *offsets, const q4_activations *x,
                                                           int64_t row0, int64_t groups, float *out, const int R,

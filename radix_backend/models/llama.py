@@ -25,11 +25,10 @@ from radix_backend.kernels.attention_base import AttentionBackend, AttentionMeta
 from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights
 
 # Decode steps of up to this many tokens run the whole stack in one native call when the model
-# has one (`build_decode_stack`). Per step against the per-layer path (SmolLM2, 2-core EPYC, ms,
-# two alternating rounds): batch 1 5.5/5.9 vs 10.9/14.0, 16 43/46 vs 51/48, 24 58/56 vs 65/67,
-# 32 74/73 vs 82/78; at 48 about even (109-133 vs 105-121). Measured again on another day (same VM
-# type, 100-token contexts, two rounds): 8 32/32 vs 37/39, 16 52/51 vs 58/60, 24 64/65 vs 58/66,
-# 32 87/86 vs 76/79: 24 is about even on both days, so larger steps keep the dense GEMMs.
+# has one (`build_decode_stack`). With the native 4-bit matmul serving every batch size (8-bit
+# activations above 16 rows), per step against the per-layer path (SmolLM2, 2-core EPYC, 100-token
+# contexts, ms, two rounds): 32 tokens 59/46 vs 69/103, 64 tokens 90/76 vs 99/109. Larger steps
+# keep the per-layer path, which also serves steps whose requests share a cached prefix.
 DECODE_STACK_MAX_TOKENS = 64
 
 SUPPORTED_ARCHITECTURES = (
