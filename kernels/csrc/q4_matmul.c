@@ -10,6 +10,7 @@
    activation rows; a thread owns a range of blocks and sweeps them for a chunk of rows at a time,
    so the chunk's activations stay in L2. */
 #include "q4.h"
+#include "q16.h"
 #include "thread_pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -18,9 +19,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define Q8_MAX 127
-#define Q16_MAX 32639 /* 127 * 256 + 127: the largest value two int8 digits hold */
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
     const int64_t groups = M * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
@@ -76,16 +74,9 @@ static void quantize_group(const float *x, int32_t largest, int planes, int offs
 #else
 static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
                            float *sum) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    const float inv = amax > 0.f ? (float)largest / amax : 0.f;
     int32_t q[32], total = 0;
-    for (int i = 0; i < 32; i++) {
-        const int32_t v = (int32_t)lrintf(x[i] * inv);
-        q[i] = v > largest ? largest : (v < -largest ? -largest : v);
-        total += q[i];
-    }
-    *scale = amax / (float)largest;
+    *scale = quantize_group_int(x, largest, q);
+    for (int i = 0; i < 32; i++) total += q[i];
     *sum = *scale * (float)total;
     store_digits(q, planes, offset, d);
 }

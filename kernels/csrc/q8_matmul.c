@@ -2,7 +2,7 @@
    weights of a row) times a few fp32 rows: the LM head of a GGUF model, which a small decode step
    reads whole (49152 x 576 for SmolLM2, 28 MB), so its bytes set its speed.
 
-   As in decode_stack.c, each group of 32 activations is scaled to 16-bit integers (q16.h) and the
+   As in q4_matmul.c, each group of 32 activations is scaled to 16-bit integers (q16.h) and the
    codes' products are integer dot products
    (`vpdpwssd` with AVX512-VNNI, `vpmaddwd` with AVX2): per row and group,
    y += scale * q_scale * sum_j code_j * q_j. */
