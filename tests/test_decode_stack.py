@@ -68,6 +68,7 @@ def test_int4_linear_takes_large_batches_in_8_bits_and_small_ones_in_16():
     assert relative_error(layer(small), small.double() @ weight.t()) < 1e-4
     want = (rounded_to_8_bits(large) if quant.LARGE_BATCH_ACTIVATION_BITS == 8 else large.double()) @ weight.t()
     assert relative_error(layer(large), want) < 1e-3
+    assert layer(torch.randn(0, 128)).shape == (0, 64)  # an empty batch is an empty result, not an error
 
 
 def test_q4_packing_refuses_what_it_cannot_keep_exactly():

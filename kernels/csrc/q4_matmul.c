@@ -22,7 +22,7 @@
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
     const int64_t groups = M * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
-    x->digits = (int8_t *)aligned_alloc(64, bytes + ((2 * sizeof(float) * groups + 63) / 64) * 64);
+    x->digits = (int8_t *)aligned_alloc(64, 64 + bytes + ((2 * sizeof(float) * groups + 63) / 64) * 64); /* 64: never 0 */
     if (!x->digits) return -1;
     x->scale = (float *)(x->digits + bytes);
     x->sum = x->scale + groups;
