@@ -147,16 +147,17 @@ class _LowBitLinear(nn.Module):
 
 class Int4Linear(_LowBitLinear):
     """Weights held as packed 4-bit codes with a scale and a minimum (or zero) per group of 32: in
-    the native kernel's layout where it builds (`native_q4`), which serves every batch size (16-bit
-    activations up to `SMALL_BATCH_ROWS` rows, `LARGE_BATCH_ACTIVATION_BITS` above: see
-    `activation_bits`; no dense copy is kept), else in torch's int4pack one with a dense copy for large batches."""
+    the native kernel's layout where it builds (`native_q4`), which serves every batch size (see
+    `activation_bits`; no dense copy is kept), else in torch's int4pack one, with a dense copy for
+    large batches."""
 
     small_batch_rows = SMALL_BATCH_ROWS
 
     def __init__(self, q: Int4Codes, bias: torch.Tensor | None = None, dense_dtype: torch.dtype | None = None,
                  use_native: bool = True) -> None:
         native_ok = use_native and native.available() and decode_stack.can_pack(q.codes, q.scale, q.minimum)
-        super().__init__(q.codes.shape, bias, None if dense_dtype is None or native_ok else q.dequantize().to(dense_dtype))
+        dense = None if dense_dtype is None or native_ok else q.dequantize().to(dense_dtype)
+        super().__init__(q.codes.shape, bias, dense)
         self.native_q4 = None
         if native_ok:
             self.native_q4 = decode_stack.pack_q4(q.codes, q.scale, q.minimum)

@@ -93,8 +93,8 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     const int planes = job->out->planes;
     const int32_t largest = planes == 1 ? Q8_MAX : Q16_MAX;
     for (int64_t at = job->groups * part / parts; at < job->groups * (part + 1) / parts; at++)
-        quantize_group(job->x + at * 32, largest, planes, job->out->offset_digits, job->out->digits + at * planes * 32, job->out->scale + at,
-                       job->out->sum + at);
+        quantize_group(job->x + at * 32, largest, planes, job->out->offset_digits,
+                       job->out->digits + at * planes * 32, job->out->scale + at, job->out->sum + at);
 }
 
 void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads) {
