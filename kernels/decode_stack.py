@@ -86,9 +86,8 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
 
 def q4_matmul(x: torch.Tensor, weight: PackedQ4, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] fp32, the output rows split over `threads` threads; the
-    activations enter as 16-bit (~2e-5 relative error) or 8-bit (~0.4 %, half the work) integers."""
-    if activation_bits not in (8, 16):
-        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
+    activations enter as 16-bit (~2e-5 relative error) or 8-bit (~5e-3, half the work) integers."""
+    native.check_activation_bits(activation_bits)
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], weight.out_features)
     if native.library().rb_q4_matmul(ctypes.byref(weight.as_struct()), x.data_ptr(), x.shape[0], out.data_ptr(),
@@ -144,8 +143,7 @@ class DecodeStack:
         """One token per request (token t of request t): (last MLP output, residual stream), both
         [T, hidden], whose sum the model's final norm takes; the linears use `threads` threads and
         take their inputs as `activation_bits` integers (see `q4_matmul`). `bind` must have succeeded."""
-        if activation_bits not in (8, 16):
-            raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}")
+        native.check_activation_bits(activation_bits)
         residual = embeddings.float().contiguous().clone()
         hidden = torch.empty_like(residual)
         args = [t.to(torch.int64).contiguous() for t in (positions, out_slots, kv_indices, starts, lens)]

@@ -122,6 +122,12 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def check_activation_bits(bits: int) -> None:
+    """The integer matmuls (4-bit, tiled 8-bit, decode stack) take activations as 8 or 16 bits."""
+    if bits not in (8, 16):
+        raise ValueError(f"activation_bits must be 8 or 16, got {bits}")
+
+
 def available() -> bool:
     return library() is not None
 

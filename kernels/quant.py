@@ -205,11 +205,13 @@ class Int8Linear(_LowBitLinear):
             scale = row_scale.to(KERNEL_DTYPE)
             dense = None if dense_dtype is None else (codes.float() * row_scale[:, None]).to(dense_dtype)
         super().__init__(codes.shape, bias, dense)
-        self.native_q8, self.native_q8_tiled = packed, tiled
+        # only the layout the kernel reads is kept: the row codes are the tiles' size again (28 MB
+        # for SmolLM2's head)
+        self.native_q8, self.native_q8_tiled = (None, tiled) if tiled is not None else (packed, None)
         if tiled is None:
             self.register_buffer("codes", codes)
             self.register_buffer("scale", scale)
-        else:  # the row layout stays on `native_q8` for dequantize(); the kernel reads the tiles
+        else:
             self.register_buffer("tiled_codes", tiled.codes)
             self.register_buffer("tiled_scales", tiled.scales)
             self.register_buffer("tiled_offsets", tiled.offsets)

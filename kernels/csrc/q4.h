@@ -20,9 +20,10 @@ typedef struct {
 } rb_q4_weight;
 
 /* Activations as integers per group of 32, scaled so the group's largest magnitude is the
-   format's largest value: 8 bits (planes = 1, llama.cpp's Q8_1 idea: ~0.4 % rounding, of the
-   size of bf16's, at half the integer work) or 16 bits as two int8 digits (planes = 2, high then
-   low: ~1.5e-5, for the fp32 reference's accuracy). With every group: its scale and the sum of
+   format's largest value: 8 bits (planes = 1, llama.cpp's Q8_1 idea: each value within 0.4 % of
+   the group's largest, a product within ~5e-3, about twice bf16's error, at half the integer
+   work) or 16 bits as two int8 digits (planes = 2, high then low: ~1.5e-5, for the fp32
+   reference's accuracy). With every group: its scale and the sum of
    its rounded values (scale * sum q: with the rounded sum, the minimum term's error partly
    cancels the codes', which halves the 8-bit error against the exact sum). */
 typedef struct {

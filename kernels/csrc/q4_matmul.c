@@ -18,7 +18,6 @@
 #endif
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
     const int64_t groups = M * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
