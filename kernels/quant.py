@@ -4,7 +4,7 @@ Batch-1 decode reads every weight once per token, so bytes per weight set its sp
 
 - `Int4Linear`: 4-bit codes with a scale and a minimum per group of 32 input features, i.e.
   GGUF's Q4_1 block (w = d * q + m, q in 0..15). Where the native kernels build (`native.py`) it
-  runs our own 4-bit kernel (`decode_stack.q4_matmul`: the exact fp16 scale/minimum, integer dot
+  runs our own 4-bit kernel (`q4.q4_matmul`: the exact fp16 scale/minimum, integer dot
   products on 16-bit activations, ~2e-5 relative error, for up to 16 rows; 8-bit ones, ~5e-3 and
   about 1.8x faster, above: `activation_bits`) for every batch size.
   Elsewhere it runs `aten._weight_int4pack_mm_for_cpu`, whose weights are (q - 8) * scale + zero,
@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import decode_stack, native, q8
-from .decode_stack import GROUP_SIZE
+from . import native, q4, q8
+from .q4 import GROUP_SIZE
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
 # copy streams from memory (measured on a 2-core AVX-512 EPYC, SmolLM2 decode step at a 300-token
@@ -155,12 +155,12 @@ class Int4Linear(_LowBitLinear):
 
     def __init__(self, q: Int4Codes, bias: torch.Tensor | None = None, dense_dtype: torch.dtype | None = None,
                  use_native: bool = True) -> None:
-        native_ok = use_native and native.available() and decode_stack.can_pack(q.codes, q.scale, q.minimum)
+        native_ok = use_native and native.available() and q4.can_pack(q.codes, q.scale, q.minimum)
         dense = None if dense_dtype is None or native_ok else q.dequantize().to(dense_dtype)
         super().__init__(q.codes.shape, bias, dense)
         self.native_q4 = None
         if native_ok:
-            self.native_q4 = decode_stack.pack_q4(q.codes, q.scale, q.minimum)
+            self.native_q4 = q4.pack_q4(q.codes, q.scale, q.minimum)
             self.register_buffer("native_codes", self.native_q4.codes)  # counted in the model's buffers
             self.register_buffer("native_params", self.native_q4.params)
             return
@@ -171,7 +171,7 @@ class Int4Linear(_LowBitLinear):
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_q4 is not None:
-            return decode_stack.q4_matmul(x, self.native_q4, threads=torch.get_num_threads(),
+            return q4.q4_matmul(x, self.native_q4, threads=torch.get_num_threads(),
                                           activation_bits=activation_bits(x.shape[0]))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, GROUP_SIZE,
                                                           self.scales_and_zeros)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radix_backend import Engine, SamplingParams
-from radix_backend.kernels import decode_stack, native, q8, quant
+from radix_backend.kernels import decode_stack, native, q4, q8, quant
 from radix_backend.kernels.decode_stack import DecodeStack
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels unavailable (no C compiler)")
@@ -44,19 +44,19 @@ def rounded_to_8_bits(x: torch.Tensor) -> torch.Tensor:
 def test_q4_matmul_computes_with_the_exact_weights(rows, threads):
     q = random_q4(96, 320, seed=rows)
     bias = torch.randn(96)
-    packed = decode_stack.pack_q4(q.codes, q.scale, q.minimum, bias)
+    packed = q4.pack_q4(q.codes, q.scale, q.minimum, bias)
     x = torch.randn(rows, 320)
     weight = q.dequantize().double()
     want = x.double() @ weight.t() + bias.double()
     # 16-bit integer activations: ~1e-5 of the largest output; torch's bf16 int4 kernel is ~4e-3
-    assert relative_error(decode_stack.q4_matmul(x, packed, threads=threads), want) < 1e-4
+    assert relative_error(q4.q4_matmul(x, packed, threads=threads), want) < 1e-4
     # 8-bit ones: the product of the rounded activations (up to fp32 summation and, rarely, a
     # rounding tie decided one step apart: 4e-4 here), which is ~1 % off the fp32 product at most
-    got8 = decode_stack.q4_matmul(x, packed, threads=threads, activation_bits=8)
+    got8 = q4.q4_matmul(x, packed, threads=threads, activation_bits=8)
     assert relative_error(got8, rounded_to_8_bits(x) @ weight.t() + bias.double()) < 1e-3
     assert relative_error(got8, want) < 2e-2
     with pytest.raises(ValueError, match="activation_bits"):
-        decode_stack.q4_matmul(x, packed, activation_bits=4)
+        q4.q4_matmul(x, packed, activation_bits=4)
 
 
 def test_int4_linear_takes_large_batches_in_8_bits_and_small_ones_in_16():
@@ -73,11 +73,11 @@ def test_int4_linear_takes_large_batches_in_8_bits_and_small_ones_in_16():
 
 def test_q4_packing_refuses_what_it_cannot_keep_exactly():
     q = random_q4(16, 64, seed=0)
-    assert decode_stack.can_pack(q.codes, q.scale, q.minimum)
+    assert q4.can_pack(q.codes, q.scale, q.minimum)
     with pytest.raises(ValueError, match="fp16-representable"):
-        decode_stack.pack_q4(q.codes, q.scale + 1e-9, q.minimum)
+        q4.pack_q4(q.codes, q.scale + 1e-9, q.minimum)
     odd = random_q4(24, 64, seed=1)  # 24 rows: not whole blocks of 16
-    assert not decode_stack.can_pack(odd.codes, odd.scale, odd.minimum)
+    assert not q4.can_pack(odd.codes, odd.scale, odd.minimum)
     fine = random_q4(16, 64, seed=2)
     fine.scale = fine.scale + 1e-9  # scales finer than fp16
     layer = quant.Int4Linear(fine)  # such a layer keeps torch's int4 kernel
@@ -130,14 +130,14 @@ def test_q8_0_codes_match_gguf():
 def test_concurrent_callers_share_the_pool_safely():
     """Two threads dispatching at once: one gets the pool, the other runs its loop itself."""
     q = random_q4(256, 576, seed=7)
-    packed = decode_stack.pack_q4(q.codes, q.scale, q.minimum)
+    packed = q4.pack_q4(q.codes, q.scale, q.minimum)
     xs = [torch.randn(2, 576, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    want = [decode_stack.q4_matmul(x, packed) for x in xs]
+    want = [q4.q4_matmul(x, packed) for x in xs]
     errors: list[str] = []
 
     def worker(i: int) -> None:
         for _ in range(50):
-            if not torch.equal(decode_stack.q4_matmul(xs[i], packed, threads=2), want[i]):
+            if not torch.equal(q4.q4_matmul(xs[i], packed, threads=2), want[i]):
                 errors.append(f"thread {i}")
                 return
 
@@ -152,15 +152,15 @@ def test_concurrent_callers_share_the_pool_safely():
 
 def _child_matmul(queue) -> None:
     q = random_q4(64, 64, seed=8)
-    packed = decode_stack.pack_q4(q.codes, q.scale, q.minimum)
+    packed = q4.pack_q4(q.codes, q.scale, q.minimum)
     x = torch.ones(1, 64)
-    queue.put(decode_stack.q4_matmul(x, packed, threads=2).tolist())
+    queue.put(q4.q4_matmul(x, packed, threads=2).tolist())
 
 
 def test_a_forked_child_gets_a_fresh_pool():
     q = random_q4(64, 64, seed=8)
-    packed = decode_stack.pack_q4(q.codes, q.scale, q.minimum)
-    want = decode_stack.q4_matmul(torch.ones(1, 64), packed, threads=2).tolist()  # the parent's helpers exist now
+    packed = q4.pack_q4(q.codes, q.scale, q.minimum)
+    want = q4.q4_matmul(torch.ones(1, 64), packed, threads=2).tolist()  # the parent's helpers exist now
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_child_matmul, args=(queue,))
@@ -240,13 +240,13 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
     except OSError as exc:  # built for a CPU feature this one lacks (haswell on a pre-AVX2 CPU)
         pytest.skip(f"cannot load the {march} build here: {exc}")
     q = random_q4(64, 192, seed=9)
-    packed4 = decode_stack.pack_q4(q.codes, q.scale, q.minimum, torch.randn(64))
+    packed4 = q4.pack_q4(q.codes, q.scale, q.minimum, torch.randn(64))
     packed8 = q8.q8_0_codes(torch.randn(48, 192, generator=torch.Generator().manual_seed(10)))
     x = torch.randn(6, 192, generator=torch.Generator().manual_seed(11))
     got4, got8 = torch.empty(6, 64), torch.empty(6, 48)
     for bits in (16, 8):
         assert lib.rb_q4_matmul(ctypes.byref(packed4.as_struct()), x.data_ptr(), 6, got4.data_ptr(), 2, bits) == 0
-        torch.testing.assert_close(got4, decode_stack.q4_matmul(x, packed4, activation_bits=bits), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got4, q4.q4_matmul(x, packed4, activation_bits=bits), rtol=1e-5, atol=1e-5)
     assert lib.rb_q8_matmul(ctypes.byref(packed8.as_struct()), x.data_ptr(), 6, got8.data_ptr(), 2) == 0
     torch.testing.assert_close(got8, q8.q8_matmul(x, packed8), rtol=1e-5, atol=1e-5)
     # extend attention, whose vector code is 16 floats wide with AVX-512 and 8 otherwise

@@ -1,6 +1,8 @@
-/* 4-bit weights (GGUF Q4_1: w = scale * code + minimum per group of 32 input features) times fp32
-   rows, with the activations as integers per group of 32 (q4_matmul.c); used by the decode stack
-   (decode_stack.c) and, through rb_q4_matmul, by the 4-bit linears of the torch path. */
+/* Low-bit weights in the shapes of GGUF's 4-, 5- and 6-bit types (per group of 32 input features:
+   w = scale * code + minimum, or w = scale * (code - offset), with one scale per 16 features for
+   Q6_K) times fp32 rows, with the activations as integers per group of 32 (q4_matmul.c); used by
+   the decode stack (decode_stack.c) and, through rb_q4_matmul, by the low-bit linears of the torch
+   path. Which GGUF type maps to which fields: kernels/q4.py. */
 #ifndef RB_Q4_H
 #define RB_Q4_H
 #include <stdint.h>
@@ -8,16 +10,41 @@
 
 #define Q4_ROWS 16 /* output rows per block of the packed layout: one int32 lane each in 512 bits */
 
+/* How a group's parameters give its weights (`layout`):
+   Q4_SCALE_MIN      params [scale, minimum]: w = scale * code + minimum (Q4_1, Q5_1, Q4_K, Q5_K)
+   Q4_SCALE_OFFSET   params [scale]: w = scale * (code - offset) (Q4_0, Q5_0)
+   Q4_SCALE16_OFFSET params [scale of features 0..15, scale of 16..31]: w = scale * (code - offset)
+                     (Q6_K, whose sub-blocks are 16 weights) */
+enum { Q4_SCALE_MIN = 0, Q4_SCALE_OFFSET = 1, Q4_SCALE16_OFFSET = 2 };
+
 /* codes [N / 16, K / 32, 4, 16, 4] bytes: for block b, group g, quad j (0..3), row r, byte k the
-   low nibble is the code of feature 4j + k and the high nibble that of feature 16 + 4j + k, so a
-   64-byte load holds 4 features of all 16 rows; params [N / 16, K / 32, 2, 16] fp16: the rows'
-   scales, then their minimums (GGUF stores both as fp16, so this is exact) */
-typedef struct {
+   low nibble holds the low 4 bits of feature 4j + k's code and the high nibble those of feature
+   16 + 4j + k ("quads" 0..3 and 4..7), so a 64-byte load holds 4 features of all 16 rows.
+   high [N / 16, K / 32, high_bits, 64] (5- and 6-bit codes): code bits 4.. of quad j sit in byte
+   (r, k) of vector (j * high_bits) / 8 at bit (j * high_bits) % 8.
+   params [N / 16, K / 32, S, 16], fp16 (exact for the types that store fp16 per block) or fp32
+   (the K-quants' scale = d * sub-block scale, exact in fp32 only), S per `layout`.
+   `next` chains weights of the same input whose outputs are concatenated (a fused q/k/v of
+   mixed types). */
+typedef struct rb_q4_weight {
     const uint8_t *codes;
-    const _Float16 *params;
+    const void *params;
     const float *bias; /* [out] or NULL */
     int64_t in, out;   /* in a multiple of 32, out a multiple of Q4_ROWS */
+    const uint8_t *high;
+    int32_t high_bits;  /* 0, 1 or 2: codes of 4, 5 or 6 bits */
+    int32_t layout;     /* Q4_SCALE_MIN, Q4_SCALE_OFFSET or Q4_SCALE16_OFFSET */
+    int32_t params_f32; /* params are fp32 (else fp16) */
+    float offset;       /* the code offset of the *_OFFSET layouts */
+    const struct rb_q4_weight *next;
 } rb_q4_weight;
+
+/* output features of a weight and the weights chained to it */
+static inline int64_t q4_chain_out(const rb_q4_weight *w) {
+    int64_t out = 0;
+    for (; w; w = w->next) out += w->out;
+    return out;
+}
 
 /* Activations as integers per group of 32, scaled so the group's largest magnitude is the
    format's largest value: 8 bits (planes = 1, llama.cpp's Q8_1 idea: each value within 0.4 % of
@@ -29,6 +56,7 @@ typedef struct {
 typedef struct {
     int8_t *digits;      /* [M, K / 32, planes, 32] */
     float *scale, *sum;  /* [M, K / 32] */
+    float *sum16;        /* [M, K / 32, 2]: scale * sum q over features 0..15 and 16..31 */
     int planes;
     int offset_digits;   /* digits stored + 128 (as uint8), for signed weights (q8_matmul.c) */
 } q4_activations;
@@ -37,8 +65,8 @@ int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes);
 void q4_activations_free(q4_activations *x);
 /* x [M, K] into `out` (allocated for >= M rows of >= K features), on up to `threads` threads */
 void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads);
-/* y [M, N] = x [M, K] @ W^T (+ bias): x quantized into `scratch` (allocated for >= M rows of >= K
-   features), the output rows split over `threads` threads */
+/* y [M, N] = x [M, K] @ W^T (+ bias), N over the chain (`next`): x quantized into `scratch`
+   (allocated for >= M rows of >= K features), the output rows split over `threads` threads */
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
                int64_t threads);
 

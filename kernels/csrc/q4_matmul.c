@@ -21,10 +21,11 @@
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
     const int64_t groups = M * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
-    x->digits = (int8_t *)aligned_alloc(64, 64 + bytes + ((2 * sizeof(float) * groups + 63) / 64) * 64); /* 64: never 0 */
+    x->digits = (int8_t *)aligned_alloc(64, 64 + bytes + ((4 * sizeof(float) * groups + 63) / 64) * 64); /* 64: never 0 */
     if (!x->digits) return -1;
     x->scale = (float *)(x->digits + bytes);
     x->sum = x->scale + groups;
+    x->sum16 = x->sum + groups;
     x->planes = planes;
     x->offset_digits = 0;
     return 0;
@@ -33,7 +34,8 @@ int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
 void q4_activations_free(q4_activations *x) { free(x->digits); }
 
 /* One group as integers q = round(x / scale), scale = max|x| / largest (q4.h's formats), written
-   as its digits; the group's scale and scale * sum(q) go to *scale and *sum. The vector versions
+   as its digits; the group's scale and scale * sum(q) go to *scale and *sum, and scale * the sums
+   of its two halves to sum16[0], sum16[1]. The vector versions
    compute exactly what the scalar one does (round-to-nearest-even conversion of the same
    products), so every build quantizes alike. */
 static inline void store_digits(const int32_t q[32], int planes, int offset, int8_t *d) {
@@ -50,7 +52,7 @@ static inline void store_digits(const int32_t q[32], int planes, int offset, int
 
 #if defined(__AVX512F__)
 static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
-                           float *sum) {
+                           float *sum, float *sum16) {
     const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? (float)largest / amax : 0.f);
@@ -61,7 +63,9 @@ static void quantize_group(const float *x, int32_t largest, int planes, int offs
     _mm512_storeu_si512((void *)q, qa);
     _mm512_storeu_si512((void *)(q + 16), qb);
     *scale = amax / (float)largest;
-    *sum = *scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
+    *sum = *scale * (float)(sa + sb);
+    sum16[0] = *scale * (float)sa, sum16[1] = *scale * (float)sb;
     if (planes == 1) {
         const __m128i flip = _mm_set1_epi8(offset ? (char)0x80 : 0);
         _mm_storeu_si128((__m128i *)d, _mm_xor_si128(_mm512_cvtepi32_epi8(qa), flip));
@@ -72,11 +76,12 @@ static void quantize_group(const float *x, int32_t largest, int planes, int offs
 }
 #else
 static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
-                           float *sum) {
-    int32_t q[32], total = 0;
+                           float *sum, float *sum16) {
+    int32_t q[32], half[2] = {0, 0};
     *scale = quantize_group_int(x, largest, q);
-    for (int i = 0; i < 32; i++) total += q[i];
-    *sum = *scale * (float)total;
+    for (int i = 0; i < 32; i++) half[i / 16] += q[i];
+    *sum = *scale * (float)(half[0] + half[1]);
+    sum16[0] = *scale * (float)half[0], sum16[1] = *scale * (float)half[1];
     store_digits(q, planes, offset, d);
 }
 #endif
@@ -93,7 +98,8 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     const int32_t largest = planes == 1 ? Q8_MAX : Q16_MAX;
     for (int64_t at = job->groups * part / parts; at < job->groups * (part + 1) / parts; at++)
         quantize_group(job->x + at * 32, largest, planes, job->out->offset_digits,
-                       job->out->digits + at * planes * 32, job->out->scale + at, job->out->sum + at);
+                       job->out->digits + at * planes * 32, job->out->scale + at, job->out->sum + at,
+                       job->out->sum16 + 2 * at);
 }
 
 void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads) {
@@ -132,6 +138,66 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
             }
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[at])), acc[i]);
             acc[i] = _mm512_fmadd_ps(minimums, _mm512_set1_ps(x->sum[at]), acc[i]);
+        }
+    }
+    for (int i = 0; i < R; i++) _mm512_storeu_ps(out + i * Q4_ROWS, acc[i]);
+}
+
+static inline __m512 load_params16(const uint8_t *p, int f32) {
+    return f32 ? _mm512_loadu_ps((const float *)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* any format of q4.h (high bits, fp32 parameters, code offset, a scale per 16): the codes of quad
+   j for the block's 16 rows are put together in quad[j]; features 0..15 and 16..31 keep their
+   own dot products for the per-16 scales */
+static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w, const uint8_t *codes,
+                                                          const uint8_t *high, const uint8_t *params,
+                                                          const q4_activations *x, int64_t row0, int64_t groups,
+                                                          float *out, const int R, const int P) {
+    const int hb = w->high_bits, f32 = w->params_f32, layout = w->layout;
+    const int64_t half = Q4_ROWS * (f32 ? 4 : 2), stride = (layout == Q4_SCALE_OFFSET ? 1 : 2) * half;
+    const __m512 negoff = _mm512_set1_ps(-w->offset);
+    const __m512i nibble = _mm512_set1_epi8(15), hmask = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
+    __m512 acc[TILE];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 first = load_params16(params + g * stride, f32);
+        const __m512 second = layout == Q4_SCALE_OFFSET ? first : load_params16(params + g * stride + half, f32);
+        const __m512 scale_b = layout == Q4_SCALE16_OFFSET ? second : first;
+        const __m512 min_a = layout == Q4_SCALE_MIN ? second : _mm512_mul_ps(first, negoff);
+        const __m512 min_b = _mm512_mul_ps(scale_b, negoff);
+        __m512i quad[8];
+        for (int j = 0; j < 4; j++) {
+            const __m512i c = _mm512_loadu_si512((const void *)(codes + (g * 4 + j) * 64));
+            quad[j] = _mm512_and_si512(c, nibble);
+            quad[4 + j] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+        }
+        for (int j = 0; j < 8 && hb; j++) {
+            const int bit = j * hb, s = bit % 8;
+            const __m512i h = _mm512_loadu_si512((const void *)(high + (g * hb + bit / 8) * 64));
+            const __m512i t = s <= 4 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - s))
+                                     : _mm512_srl_epi16(h, _mm_cvtsi32_si128(s - 4));
+            quad[j] = _mm512_or_si512(quad[j], _mm512_and_si512(t, hmask));
+        }
+        for (int i = 0; i < R; i++) {
+            const int64_t at = (row0 + i) * groups + g;
+            const int8_t *q = x->digits + at * P * 32;
+            __m512i dot_a = _mm512_setzero_si512(), dot_b = _mm512_setzero_si512();
+            for (int p = 0; p < P; p++) {
+                if (p) dot_a = _mm512_slli_epi32(dot_a, 8), dot_b = _mm512_slli_epi32(dot_b, 8);
+                for (int j = 0; j < 4; j++) dot_a = _mm512_dpbusd_epi32(dot_a, quad[j], _mm512_set1_epi32(load_i32(q + p * 32 + 4 * j)));
+                for (int j = 4; j < 8; j++) dot_b = _mm512_dpbusd_epi32(dot_b, quad[j], _mm512_set1_epi32(load_i32(q + p * 32 + 4 * j)));
+            }
+            const __m512 xs = _mm512_set1_ps(x->scale[at]);
+            if (layout == Q4_SCALE16_OFFSET) {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_a), _mm512_mul_ps(first, xs), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_b), _mm512_mul_ps(scale_b, xs), acc[i]);
+                acc[i] = _mm512_fmadd_ps(min_a, _mm512_set1_ps(x->sum16[2 * at]), acc[i]);
+                acc[i] = _mm512_fmadd_ps(min_b, _mm512_set1_ps(x->sum16[2 * at + 1]), acc[i]);
+            } else {
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot_a, dot_b)), _mm512_mul_ps(first, xs), acc[i]);
+                acc[i] = _mm512_fmadd_ps(min_a, _mm512_set1_ps(x->sum[at]), acc[i]);
+            }
         }
     }
     for (int i = 0; i < R; i++) _mm512_storeu_ps(out + i * Q4_ROWS, acc[i]);
@@ -184,18 +250,88 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         for (int i = 0; i < R; i++) _mm256_storeu_ps(out + i * Q4_ROWS + h * 8, acc[i]);
     }
 }
+
+static inline __m256 load_params8(const uint8_t *p, int f32) {
+    return f32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* qx_tile of the AVX-512 build on 32-byte vectors, one half block (8 rows) at a time */
+static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w, const uint8_t *codes,
+                                                          const uint8_t *high, const uint8_t *params,
+                                                          const q4_activations *x, int64_t row0, int64_t groups,
+                                                          float *out, const int R, const int P) {
+    const int hb = w->high_bits, f32 = w->params_f32, layout = w->layout, bytes = f32 ? 4 : 2;
+    const int64_t half = Q4_ROWS * bytes, stride = (layout == Q4_SCALE_OFFSET ? 1 : 2) * half;
+    const __m256 negoff = _mm256_set1_ps(-w->offset);
+    const __m256i nibble = _mm256_set1_epi8(15), hmask = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4));
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TILE];
+        for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *pg = params + g * stride + h * 8 * bytes;
+            const __m256 first = load_params8(pg, f32);
+            const __m256 second = layout == Q4_SCALE_OFFSET ? first : load_params8(pg + half, f32);
+            const __m256 scale_b = layout == Q4_SCALE16_OFFSET ? second : first;
+            const __m256 min_a = layout == Q4_SCALE_MIN ? second : _mm256_mul_ps(first, negoff);
+            const __m256 min_b = _mm256_mul_ps(scale_b, negoff);
+            __m256i quad[8];
+            for (int j = 0; j < 4; j++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + (g * 4 + j) * 64 + h * 32));
+                quad[j] = _mm256_and_si256(c, nibble);
+                quad[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            }
+            for (int j = 0; j < 8 && hb; j++) {
+                const int bit = j * hb, s = bit % 8;
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(high + (g * hb + bit / 8) * 64 + h * 32));
+                const __m256i t = s <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - s))
+                                         : _mm256_srl_epi16(v, _mm_cvtsi32_si128(s - 4));
+                quad[j] = _mm256_or_si256(quad[j], _mm256_and_si256(t, hmask));
+            }
+            for (int i = 0; i < R; i++) {
+                const int64_t at = (row0 + i) * groups + g;
+                const int8_t *q = x->digits + at * P * 32;
+                __m256i dot_a = _mm256_setzero_si256(), dot_b = _mm256_setzero_si256();
+                for (int p = 0; p < P; p++) { /* codes <= 63, |digits| <= 128: no int16 saturation */
+                    if (p) dot_a = _mm256_slli_epi32(dot_a, 8), dot_b = _mm256_slli_epi32(dot_b, 8);
+                    for (int j = 0; j < 4; j++) dot_a = dot_u8s8(dot_a, quad[j], _mm256_set1_epi32(load_i32(q + p * 32 + 4 * j)));
+                    for (int j = 4; j < 8; j++) dot_b = dot_u8s8(dot_b, quad[j], _mm256_set1_epi32(load_i32(q + p * 32 + 4 * j)));
+                }
+                const __m256 xs = _mm256_set1_ps(x->scale[at]);
+                if (layout == Q4_SCALE16_OFFSET) {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_a), _mm256_mul_ps(first, xs), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_b), _mm256_mul_ps(scale_b, xs), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(min_a, _mm256_set1_ps(x->sum16[2 * at]), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(min_b, _mm256_set1_ps(x->sum16[2 * at + 1]), acc[i]);
+                } else {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(dot_a, dot_b)), _mm256_mul_ps(first, xs), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(min_a, _mm256_set1_ps(x->sum[at]), acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < R; i++) _mm256_storeu_ps(out + i * Q4_ROWS + h * 8, acc[i]);
+    }
+}
 #define HAVE_Q4_TILE 1
 #endif
 
+/* the plain Q4_1 format (the embedded model's) keeps its own tile; every other one takes qx_tile */
+static inline int q4_plain(const rb_q4_weight *w) {
+    return !w->high_bits && w->layout == Q4_SCALE_MIN && !w->params_f32;
+}
+
 #ifdef HAVE_Q4_TILE
+#define TILE_CALL(r, p)                                                                               \
+    if (plain) q4_tile(codes, (const _Float16 *)params, x, row0, groups, out, r, p);                  \
+    else qx_tile(w, codes, high, params, x, row0, groups, out, r, p);
 #define TILE_CASE(r)                                                                                  \
     case r:                                                                                           \
-        if (x->planes == 1) q4_tile(codes, params, x, row0, groups, out, r, 1);                       \
-        else q4_tile(codes, params, x, row0, groups, out, r, 2);                                      \
+        if (x->planes == 1) { TILE_CALL(r, 1) }                                                       \
+        else { TILE_CALL(r, 2) }                                                                      \
         break;
 
-static void q4_rows(const uint8_t *codes, const _Float16 *params, const q4_activations *x, int64_t row0,
-                    int64_t rows, int64_t groups, float *out) {
+static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
+                    const q4_activations *x, int64_t row0, int64_t rows, int64_t groups, float *out) {
+    const int plain = q4_plain(w);
     switch (rows) {
     TILE_CASE(1)
     TILE_CASE(2)
@@ -207,32 +343,51 @@ static void q4_rows(const uint8_t *codes, const _Float16 *params, const q4_activ
     TILE_CASE(7)
 #endif
     default:
-        if (x->planes == 1) q4_tile(codes, params, x, row0, groups, out, TILE, 1);
-        else q4_tile(codes, params, x, row0, groups, out, TILE, 2);
+        if (x->planes == 1) { TILE_CALL(TILE, 1) }
+        else { TILE_CALL(TILE, 2) }
     }
 }
 #else
+static inline float q4_param(const uint8_t *params, int f32, int64_t i) {
+    return f32 ? ((const float *)params)[i] : (float)((const _Float16 *)params)[i];
+}
+
 /* portable: the same integer arithmetic, one product at a time */
-static void q4_rows(const uint8_t *codes, const _Float16 *params, const q4_activations *x, int64_t row0,
-                    int64_t rows, int64_t groups, float *out) {
-    const int P = x->planes;
+static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
+                    const q4_activations *x, int64_t row0, int64_t rows, int64_t groups, float *out) {
+    const int P = x->planes, hb = w->high_bits, f32 = w->params_f32, layout = w->layout;
+    const int S = layout == Q4_SCALE_OFFSET ? 1 : 2;
     for (int64_t i = 0; i < rows; i++)
         for (int r = 0; r < Q4_ROWS; r++) {
             float total = 0.f;
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t at = (row0 + i) * groups + g;
                 const int8_t *q = x->digits + at * P * 32;
-                int32_t dot = 0;
+                int32_t dot[2] = {0, 0};
                 for (int p = 0; p < P; p++) {
-                    dot *= 256;
-                    for (int j = 0; j < 4; j++)
+                    dot[0] *= 256, dot[1] *= 256;
+                    for (int j = 0; j < 8; j++)
                         for (int k = 0; k < 4; k++) {
-                            const uint8_t c = codes[((g * 4 + j) * Q4_ROWS + r) * 4 + k];
-                            dot += (c & 15) * q[p * 32 + 4 * j + k] + (c >> 4) * q[p * 32 + 16 + 4 * j + k];
+                            const uint8_t c = codes[((g * 4 + j % 4) * Q4_ROWS + r) * 4 + k];
+                            int32_t code = j < 4 ? (c & 15) : (c >> 4);
+                            if (hb) {
+                                const int bit = j * hb;
+                                const uint8_t h = high[((g * hb + bit / 8) * Q4_ROWS + r) * 4 + k];
+                                code |= ((h >> (bit % 8)) & ((1 << hb) - 1)) << 4;
+                            }
+                            dot[j / 4] += code * q[p * 32 + 4 * j + k];
                         }
                 }
-                total += (float)params[g * 2 * Q4_ROWS + r] * x->scale[at] * (float)dot
-                       + (float)params[g * 2 * Q4_ROWS + Q4_ROWS + r] * x->sum[at];
+                const float first = q4_param(params, f32, g * S * Q4_ROWS + r);
+                const float second = S == 2 ? q4_param(params, f32, (g * S + 1) * Q4_ROWS + r) : first;
+                const float xs = x->scale[at];
+                if (layout == Q4_SCALE16_OFFSET) {
+                    total += first * xs * (float)dot[0] + second * xs * (float)dot[1]
+                           + first * -w->offset * x->sum16[2 * at] + second * -w->offset * x->sum16[2 * at + 1];
+                } else {
+                    const float minimum = layout == Q4_SCALE_MIN ? second : first * -w->offset;
+                    total += first * xs * (float)(dot[0] + dot[1]) + minimum * x->sum[at];
+                }
             }
             out[i * Q4_ROWS + r] = total;
         }
@@ -252,22 +407,28 @@ typedef struct {
 
 static void q4_part(void *ctx, int64_t part, int64_t parts) {
     const q4_job *job = (const q4_job *)ctx;
-    const rb_q4_weight *w = job->w;
-    const int64_t groups = w->in / 32, blocks = w->out / Q4_ROWS;
+    const int64_t groups = job->w->in / 32, width = q4_chain_out(job->w), blocks = width / Q4_ROWS;
     const int64_t first = blocks * part / parts, last = blocks * (part + 1) / parts;
     for (int64_t c0 = 0; c0 < job->M; c0 += ROW_CHUNK) {
         const int64_t c1 = c0 + ROW_CHUNK < job->M ? c0 + ROW_CHUNK : job->M;
-        for (int64_t block = first; block < last; block++) {
-            const uint8_t *codes = w->codes + block * groups * 4 * Q4_ROWS * 4;
-            const _Float16 *params = w->params + block * groups * 2 * Q4_ROWS;
-            const float *bias = w->bias ? w->bias + block * Q4_ROWS : NULL;
-            for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
-                const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
-                float out[TILE * Q4_ROWS];
-                q4_rows(codes, params, job->x, m0, rows, groups, out);
-                for (int64_t i = 0; i < rows; i++) {
-                    float *ym = job->y + (m0 + i) * w->out + block * Q4_ROWS;
-                    for (int r = 0; r < Q4_ROWS; r++) ym[r] = out[i * Q4_ROWS + r] + (bias ? bias[r] : 0.f);
+        int64_t base = 0; /* the chain's first block of weight w */
+        for (const rb_q4_weight *w = job->w; w; base += w->out / Q4_ROWS, w = w->next) {
+            const int64_t stride = (w->layout == Q4_SCALE_OFFSET ? 1 : 2) * Q4_ROWS * (w->params_f32 ? 4 : 2);
+            const int64_t lo = first > base ? first : base, end = base + w->out / Q4_ROWS;
+            for (int64_t block = lo; block < (last < end ? last : end); block++) {
+                const int64_t b = block - base;
+                const uint8_t *codes = w->codes + b * groups * 4 * Q4_ROWS * 4;
+                const uint8_t *high = w->high ? w->high + b * groups * w->high_bits * 64 : NULL;
+                const uint8_t *params = (const uint8_t *)w->params + b * groups * stride;
+                const float *bias = w->bias ? w->bias + b * Q4_ROWS : NULL;
+                for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
+                    const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
+                    float out[TILE * Q4_ROWS];
+                    q4_rows(w, codes, high, params, job->x, m0, rows, groups, out);
+                    for (int64_t i = 0; i < rows; i++) {
+                        float *ym = job->y + (m0 + i) * width + block * Q4_ROWS;
+                        for (int r = 0; r < Q4_ROWS; r++) ym[r] = out[i * Q4_ROWS + r] + (bias ? bias[r] : 0.f);
+                    }
                 }
             }
         }

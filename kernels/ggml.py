@@ -1,0 +1,164 @@
+"""GGUF tensors in their own ggml types: decode a tensor's blocks into what our kernels run.
+
+Each supported type becomes codes with parameters per group of 32 (`q4.GroupCodes`, run by the
+low-bit kernel) or, for Q8_0, 8-bit codes with an fp16 scale per 32 (`q8.PackedQ8`); F32, F16 and
+BF16 tensors are plain floats. The bit layouts follow ggml's block structs (as `gguf.quants`
+reads them); `dequantize` gives the same fp32 values as `gguf.quants.dequantize`, bit for bit
+(tested per type).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import q4, q8
+
+# ggml type ids (ggml.h)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q4_K, Q5_K, Q6_K, BF16 = 12, 13, 14, 30
+NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
+FLOAT_TYPES = (F32, F16, BF16)
+LOW_BIT_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)  # run by the low-bit kernel (q4.py)
+SUPPORTED = (*FLOAT_TYPES, *LOW_BIT_TYPES, Q8_0)
+# (weights per block, bytes per block)
+BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
+         Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+
+
+class UnsupportedTensorType(ValueError):
+    """A tensor's ggml type has no kernel here."""
+
+
+def type_name(ggml_type: int) -> str:
+    return NAMES.get(ggml_type, f"type {ggml_type}")
+
+
+def check_supported(ggml_type: int, what: str) -> None:
+    if ggml_type not in SUPPORTED:
+        try:
+            from gguf import GGMLQuantizationType
+
+            name = GGMLQuantizationType(ggml_type).name
+        except (ImportError, ValueError):
+            name = f"type {ggml_type}"
+        raise UnsupportedTensorType(
+            f"{what} is stored as {name}, which has no kernel here; supported GGUF tensor types: "
+            f"{', '.join(NAMES[t] for t in SUPPORTED)} (re-quantize the file, e.g. to Q4_K_M, with llama-quantize)")
+
+
+@dataclass
+class RawTensor:
+    """One tensor as the file stores it: `data` [rows, bytes per row] uint8 (a view of the
+    memory-mapped file), logical shape [rows, cols] (ggml's ne[1], ne[0])."""
+
+    name: str
+    ggml_type: int
+    rows: int
+    cols: int
+    data: np.ndarray
+
+    def blocks(self, rows: slice | np.ndarray | None = None) -> np.ndarray:
+        """[rows, blocks per row, bytes per block] uint8."""
+        per_block, nbytes = BLOCK[self.ggml_type]
+        data = self.data if rows is None else self.data[rows]
+        return data.reshape(data.shape[0], self.cols // per_block, nbytes)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n] codes: the n low nibbles, then the n high ones (ggml's order)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit minimums (ggml's get_scale_min_k4)."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def group_codes(t: RawTensor, rows: slice | np.ndarray | None = None) -> q4.GroupCodes:
+    """A low-bit tensor's codes and parameters per group of 32 (`q4.GroupCodes`)."""
+    b = t.blocks(rows)
+    n, nb = b.shape[:2]
+    kind = t.ggml_type
+
+    def out(codes: np.ndarray, first: np.ndarray, second: np.ndarray | None, layout: int, high_bits: int = 0,
+            offset: float = 0.0, f32: bool = False) -> q4.GroupCodes:
+        return q4.GroupCodes(torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1), dtype=np.uint8)),
+                             torch.from_numpy(np.ascontiguousarray(first.reshape(n, -1), dtype=np.float32)),
+                             None if second is None else torch.from_numpy(
+                                 np.ascontiguousarray(second.reshape(n, -1), dtype=np.float32)),
+                             layout, high_bits, offset, f32)
+
+    if kind in (Q4_0, Q4_1):
+        d = _f16(b[..., 0:2])
+        start = 2 if kind == Q4_0 else 4
+        codes = _nibbles(b[..., start:start + 16])
+        if kind == Q4_0:
+            return out(codes, d, None, q4.SCALE_OFFSET, offset=8.0)
+        return out(codes, d, _f16(b[..., 2:4]), q4.SCALE_MIN)
+    if kind in (Q5_0, Q5_1):
+        start = 2 if kind == Q5_0 else 4
+        qh = np.ascontiguousarray(b[..., start:start + 4]).view(np.uint32)  # bit i: element i's 5th bit
+        upper = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        codes = _nibbles(b[..., start + 4:start + 20]) | (upper << 4)
+        d = _f16(b[..., 0:2])
+        if kind == Q5_0:
+            return out(codes, d, None, q4.SCALE_OFFSET, 1, offset=16.0)
+        return out(codes, d, _f16(b[..., 2:4]), q4.SCALE_MIN, 1)
+    if kind in (Q4_K, Q5_K):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
+        qs = b[..., -128:].reshape(n, nb, 4, 32)  # 4 chunks of 64 weights: low nibbles, then high
+        codes = _nibbles(qs).reshape(n, nb, 8, 32)
+        high_bits = 0
+        if kind == Q5_K:  # bit j of byte i: the 5th bit of element 32j + i
+            qh = b[..., 16:48].reshape(n, nb, 1, 32)
+            codes = codes | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+            high_bits = 1
+        scale = d[..., None] * sc  # [n, nb, 8]: exact in fp32, as gguf computes it
+        minimum = -(dmin[..., None] * mn)
+        return out(codes, scale, minimum, q4.SCALE_MIN, high_bits, f32=True)
+    if kind == Q6_K:
+        ql, qh, scales = b[..., 0:128], b[..., 128:192], b[..., 192:208]
+        d = _f16(b[..., 208:210])
+        low = _nibbles(ql.reshape(n, nb, 2, 64))  # 2 chunks of 128 weights
+        upper = (qh.reshape(n, nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        codes = low | (upper.reshape(n, nb, 2, 128) << 4)
+        scale = (d[..., None] * scales.view(np.int8).astype(np.float32)).reshape(n, nb, 8, 2)
+        return out(codes, scale[..., 0], scale[..., 1], q4.SCALE16_OFFSET, 2, offset=32.0, f32=True)
+    raise UnsupportedTensorType(f"{t.name}: {type_name(kind)} is not a low-bit group type")
+
+
+def q8_codes(t: RawTensor, rows: slice | np.ndarray | None = None) -> q8.PackedQ8:
+    """A Q8_0 tensor's codes and fp16 scales (exact)."""
+    b = t.blocks(rows)
+    n = b.shape[0]
+    scales = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, -1)
+    return q8.PackedQ8(torch.from_numpy(codes.copy()), torch.from_numpy(scales.copy()), exact=True)
+
+
+def dequantize(t: RawTensor, rows: slice | np.ndarray | None = None) -> torch.Tensor:
+    """fp32 [rows, cols] of the whole tensor or the given rows, equal to gguf.quants.dequantize."""
+    kind = t.ggml_type
+    check_supported(kind, t.name)
+    if kind in FLOAT_TYPES:
+        data = t.data if rows is None else t.data[rows]
+        dtype = {F32: np.float32, F16: np.float16, BF16: np.uint16}[kind]
+        values = np.ascontiguousarray(data).view(dtype)
+        if kind == BF16:
+            return torch.from_numpy((values.astype(np.uint32) << 16).view(np.float32))
+        return torch.from_numpy(values.astype(np.float32))
+    if kind == Q8_0:
+        return q8_codes(t, rows).dequantize()
+    return group_codes(t, rows).dequantize()

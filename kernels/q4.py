@@ -1,0 +1,187 @@
+"""Low-bit weights in the kernel's layout (`csrc/q4.h`, `csrc/q4_matmul.c`) and their matmul.
+
+One layout serves GGUF's 4-, 5- and 6-bit types: per group of 32 input features a weight is
+`scale * code + minimum` (Q4_1, Q5_1, Q4_K, Q5_K) or `scale * (code - offset)` (Q4_0, Q5_0; Q6_K
+with a scale per 16 features). Codes keep their low 4 bits as nibbles in blocks of 16 output rows
+(one int32 lane each in a 512-bit vector) and, for 5- and 6-bit codes, their upper bits in 1 or 2
+bit planes; scales and minimums are fp16 where the file stores them so (exact) and fp32 for the
+K-quants, whose group scale is d * a 6-bit sub-scale (exact in fp32 only). `kernels/ggml.py` turns
+a GGUF tensor's blocks into `GroupCodes`; `pack` puts them in this layout.
+
+Weights that share an input (q, k and v of mixed types) can be chained (`chain`): one call, their
+outputs side by side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+from . import native
+
+Q4_ROWS = 16  # output rows per block of the packed layout (csrc/q4.h)
+GROUP_SIZE = 32  # input features per scale/minimum
+
+# how a group's parameters give its weights (csrc/q4.h)
+SCALE_MIN = 0  # w = scale * code + minimum
+SCALE_OFFSET = 1  # w = scale * (code - offset)
+SCALE16_OFFSET = 2  # w = scale * (code - offset), a scale per 16 features
+
+
+class Q4WeightStruct(ctypes.Structure):
+    pass
+
+
+Q4WeightStruct._fields_ = [
+    ("codes", ctypes.c_void_p), ("params", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+    ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64), ("high", ctypes.c_void_p),
+    ("high_bits", ctypes.c_int32), ("layout", ctypes.c_int32), ("params_f32", ctypes.c_int32),
+    ("offset", ctypes.c_float), ("next", ctypes.POINTER(Q4WeightStruct))]
+
+
+@dataclass
+class GroupCodes:
+    """Weights [N, K] as integer codes with parameters per group of 32 features, before packing:
+    `first` is the scale (of features 0..15 for SCALE16_OFFSET), `second` the minimum (SCALE_MIN),
+    the scale of features 16..31 (SCALE16_OFFSET) or None (SCALE_OFFSET)."""
+
+    codes: torch.Tensor  # [N, K] uint8, < 2 ** (4 + high_bits)
+    first: torch.Tensor  # [N, K / 32] fp32
+    second: torch.Tensor | None
+    layout: int
+    high_bits: int = 0
+    offset: float = 0.0
+    params_f32: bool = False  # else fp16 holds the parameters exactly
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K], computed as GGUF's dequantizers do (one rounding per weight)."""
+        n, k = self.codes.shape
+        groups = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
+        if self.layout == SCALE_MIN:
+            return (self.first[..., None] * groups + self.second[..., None]).view(n, k)
+        scale = self.first[..., None].expand(n, k // GROUP_SIZE, GROUP_SIZE)
+        if self.layout == SCALE16_OFFSET:
+            scale = torch.cat([self.first[..., None].expand(-1, -1, 16), self.second[..., None].expand(-1, -1, 16)], -1)
+        return (scale * (groups - self.offset)).view(n, k)
+
+
+@dataclass
+class PackedQ4:
+    """[N, K] weights in the kernel's layout (csrc/q4.h): codes [N/16, K/32, 4, 16, 4] uint8 (low
+    nibble: feature 4j+k of quad j, high nibble: feature 16+4j+k), high [N/16, K/32, high_bits, 64]
+    uint8 or None, params [N/16, K/32, S, 16] fp16 or fp32. `next`: a chained weight of the same
+    input whose outputs follow this one's."""
+
+    codes: torch.Tensor
+    params: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
+    high: torch.Tensor | None = None
+    high_bits: int = 0
+    layout: int = SCALE_MIN
+    offset: float = 0.0
+    next: PackedQ4 | None = None
+    _struct: Q4WeightStruct | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def total_out(self) -> int:
+        return self.out_features + (self.next.total_out if self.next is not None else 0)
+
+    def as_struct(self) -> Q4WeightStruct:
+        """The C view of this weight and its chain (kept alive by the objects)."""
+        if self._struct is None:
+            nxt = ctypes.pointer(self.next.as_struct()) if self.next is not None else None
+            self._struct = Q4WeightStruct(
+                self.codes.data_ptr(), self.params.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
+                self.in_features, self.out_features, None if self.high is None else self.high.data_ptr(),
+                self.high_bits, self.layout, int(self.params.dtype == torch.float32), self.offset, nxt)
+        return self._struct
+
+
+def can_pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> bool:
+    """Whether `pack_q4` keeps Q4_1-style weights exactly: N % 16 == 0, K % 32 == 0, and
+    fp16-representable scales and minimums (as GGUF stores them and `quant.q4_1_codes` derives them)."""
+    n, k = codes.shape
+    return (n % Q4_ROWS == 0 and k % GROUP_SIZE == 0 and torch.equal(scale.half().float(), scale.float())
+            and torch.equal(minimum.half().float(), minimum.float()))
+
+
+def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+            bias: torch.Tensor | None = None) -> PackedQ4:
+    """Pack 4-bit codes [N, K] (0..15) with per-group scale/minimum [N, K/32]; see `can_pack`."""
+    if not can_pack(codes, scale, minimum):
+        raise ValueError(f"4-bit packing needs N % {Q4_ROWS} == 0, K % {GROUP_SIZE} == 0 and fp16-representable "
+                         f"scales and minimums; got {tuple(codes.shape)}")
+    return pack(GroupCodes(codes, scale, minimum, SCALE_MIN), bias)
+
+
+def pack(weights: GroupCodes, bias: torch.Tensor | None = None) -> PackedQ4:
+    """`weights` in the kernel's layout; N must be a multiple of 16 (see `pad_rows`)."""
+    n, k = weights.codes.shape
+    if n % Q4_ROWS or k % GROUP_SIZE:
+        raise ValueError(f"packing needs N % {Q4_ROWS} == 0 and K % {GROUP_SIZE} == 0; got {(n, k)}")
+    if weights.high_bits not in (0, 1, 2):
+        raise ValueError(f"codes of 4, 5 or 6 bits only; got high_bits={weights.high_bits}")
+    groups = k // GROUP_SIZE
+    codes = weights.codes.to(torch.uint8)
+    quads = codes.view(n // Q4_ROWS, Q4_ROWS, groups, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # b, g, half, j, row, k
+    packed = ((quads[:, :, 0] & 15) | ((quads[:, :, 1] & 15) << 4)).contiguous()
+    high = None
+    if weights.high_bits:
+        hb = weights.high_bits
+        upper = (quads >> 4).reshape(n // Q4_ROWS, groups, 8, Q4_ROWS * 4).to(torch.int32)  # b, g, quad, (row, k)
+        planes = torch.zeros(n // Q4_ROWS, groups, hb, Q4_ROWS * 4, dtype=torch.int32)
+        for j in range(8):
+            bit = j * hb
+            planes[:, :, bit // 8] |= upper[:, :, j] << (bit % 8)
+        high = planes.to(torch.uint8).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
+        return t.view(n // Q4_ROWS, Q4_ROWS, groups).permute(0, 2, 1)
+
+    dtype = torch.float32 if weights.params_f32 else torch.float16
+    parts = [weights.first] if weights.second is None else [weights.first, weights.second]
+    params = torch.stack([per_block(p.float()) for p in parts], dim=2).to(dtype).contiguous()
+    return PackedQ4(packed, params, None if bias is None else bias.detach().float().contiguous(), k, n, high,
+                    weights.high_bits, weights.layout, float(weights.offset))
+
+
+def pad_rows(weights: GroupCodes) -> GroupCodes:
+    """`weights` with zero rows appended up to a multiple of 16 output rows (their outputs are 0)."""
+    n = weights.codes.shape[0]
+    extra = -n % Q4_ROWS
+    if not extra:
+        return weights
+
+    def pad(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+
+    return GroupCodes(pad(weights.codes), pad(weights.first), pad(weights.second), weights.layout,
+                      weights.high_bits, weights.offset, weights.params_f32)
+
+
+def chain(parts: list[PackedQ4]) -> PackedQ4:
+    """Link weights of one input so one call computes them all, outputs side by side."""
+    if any(p.in_features != parts[0].in_features for p in parts):
+        raise ValueError("chained weights must share their input size")
+    for a, b in zip(parts, parts[1:]):
+        a.next, a._struct = b, None
+    return parts[0]
+
+
+def q4_matmul(x: torch.Tensor, weight: PackedQ4, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, N] fp32 over the chain, the output rows split over `threads`
+    threads; the activations enter as 16-bit (~2e-5 relative error) or 8-bit (~5e-3, half the work)
+    integers."""
+    native.check_activation_bits(activation_bits)
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"x must be [M, {weight.in_features}], got {tuple(x.shape)}")
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], weight.total_out)
+    if native.library().rb_q4_matmul(ctypes.byref(weight.as_struct()), x.data_ptr(), x.shape[0], out.data_ptr(),
+                                     threads, activation_bits):
+        raise native.NativeKernelError("4-bit matmul could not allocate its scratch memory")
+    return out

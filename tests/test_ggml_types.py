@@ -1,0 +1,115 @@
+"""GGUF tensor types on our kernels: decoding equals gguf's dequantizer bit for bit, the low-bit
+matmul equals the float64 product of the dequantized weights within its activation format's error,
+on this CPU's build and on the AVX2 and portable ones."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import numpy as np
+import pytest
+import torch
+
+from radix_backend.kernels import ggml, native, q4
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
+
+TYPES = [*ggml.LOW_BIT_TYPES, ggml.Q8_0, ggml.F16, ggml.BF16, ggml.F32]
+# fp16 fields at these byte offsets of a block (the rest of a random block is any bits)
+_HALF_FIELDS = {ggml.Q4_0: (0,), ggml.Q5_0: (0,), ggml.Q8_0: (0,), ggml.Q4_1: (0, 2), ggml.Q5_1: (0, 2),
+                ggml.Q4_K: (0, 2), ggml.Q5_K: (0, 2), ggml.Q6_K: (208,)}
+
+
+def random_tensor(kind: int, rows: int, cols: int, seed: int = 0) -> ggml.RawTensor:
+    """A tensor of random blocks: every code, sub-scale and sign bit pattern occurs, with finite
+    fp16 scales of weight-like size."""
+    rng = np.random.default_rng(seed)
+    if kind in ggml.FLOAT_TYPES:
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        if kind == ggml.F16:
+            return ggml.RawTensor("w", kind, rows, cols, values.astype(np.float16).view(np.uint8))
+        if kind == ggml.BF16:
+            return ggml.RawTensor("w", kind, rows, cols, (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8))
+        return ggml.RawTensor("w", kind, rows, cols, values.view(np.uint8))
+    per, nbytes = ggml.BLOCK[kind]
+    raw = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+    for at in _HALF_FIELDS[kind]:
+        halfs = rng.uniform(-0.05, 0.05, size=(rows, cols // per)).astype(np.float16)
+        raw[..., at:at + 2] = halfs.view(np.uint8).reshape(rows, cols // per, 2)
+    return ggml.RawTensor("w", kind, rows, cols, raw.reshape(rows, -1))
+
+
+def gguf_reference(t: ggml.RawTensor) -> torch.Tensor:
+    values = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(t.rows, t.cols))
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=ggml.type_name)
+def test_dequantize_equals_gguf_bit_for_bit(kind):
+    t = random_tensor(kind, 48, 512, seed=kind)
+    assert torch.equal(ggml.dequantize(t), gguf_reference(t))
+    rows = np.array([5, 0, 47, 5])  # an embedding lookup dequantizes only the rows it reads
+    assert torch.equal(ggml.dequantize(t, rows), gguf_reference(t)[torch.from_numpy(rows)])
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("kind", ggml.LOW_BIT_TYPES, ids=ggml.type_name)
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 300])
+def test_low_bit_matmul_matches_float64(kind, rows):
+    t = random_tensor(kind, 64, 512, seed=kind)
+    packed = q4.pack(ggml.group_codes(t), bias=torch.randn(64))
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    want = x.double() @ gguf_reference(t).double().T + packed.bias.double()
+    assert relative_error(q4.q4_matmul(x, packed, threads=2), want) < 1e-4  # 16-bit activations: ~2e-5
+    assert relative_error(q4.q4_matmul(x, packed, threads=1, activation_bits=8), want) < 1.5e-2  # 8-bit: ~5e-3
+
+
+def test_chained_weights_of_mixed_types_equal_separate_calls():
+    """A fused q/k/v whose parts have different types (Q4_K_M files) runs as one chained call."""
+    parts = [q4.pack(ggml.group_codes(random_tensor(kind, n, 256, seed=n)))
+             for kind, n in ((ggml.Q4_K, 64), (ggml.Q4_0, 32), (ggml.Q6_K, 32))]
+    x = torch.randn(5, 256)
+    separate = torch.cat([q4.q4_matmul(x, p) for p in parts], dim=1)
+    fused = q4.chain(parts)
+    assert fused.total_out == 128
+    torch.testing.assert_close(q4.q4_matmul(x, fused, threads=2), separate, rtol=0, atol=0)
+
+
+def test_rows_padded_to_blocks_of_16():
+    t = random_tensor(ggml.Q6_K, 40, 256)
+    packed = q4.pack(q4.pad_rows(ggml.group_codes(t)))
+    x = torch.randn(2, 256)
+    got = q4.q4_matmul(x, packed)[:, :40]
+    assert relative_error(got, x.double() @ gguf_reference(t).double().T) < 1e-4
+    assert torch.count_nonzero(q4.q4_matmul(x, packed)[:, 40:]) == 0
+
+
+def test_unsupported_type_is_named():
+    with pytest.raises(ggml.UnsupportedTensorType, match="IQ2_XXS.*supported GGUF tensor types: F32"):
+        ggml.check_supported(16, "blk.0.attn_q.weight")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_other_instruction_sets_compute_the_same(tmp_path, march):
+    """The AVX2-without-VNNI (haswell) and portable (x86-64) builds give this machine's results for
+    every low-bit type and both activation formats."""
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native.FLAGS)
+    try:
+        lib = native.declare(ctypes.CDLL(str(native.build(native._compiler(), tmp_path, flags))))
+    except OSError as exc:
+        pytest.skip(f"cannot load the {march} build here: {exc}")
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    for kind in ggml.LOW_BIT_TYPES:
+        packed = q4.pack(ggml.group_codes(random_tensor(kind, 32, 256, seed=kind)), bias=torch.randn(32))
+        got = torch.empty(9, 32)
+        for bits in (16, 8):
+            assert lib.rb_q4_matmul(ctypes.byref(packed.as_struct()), x.data_ptr(), 9, got.data_ptr(), 2, bits) == 0
+            want = q4.q4_matmul(x, packed, activation_bits=bits)  # float sums in another order only
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()),
+                                       msg=f"{ggml.type_name(kind)}, {bits}-bit activations")
