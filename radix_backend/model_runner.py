@@ -19,9 +19,10 @@ from radix_backend.kernels import AttentionMetadata, create_attention_backend, n
 from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
 from .models import build_model
+from .models.gguf_weights import build_gguf_model, kernel_counts
 from .models.llama import TPShard, check_tp_divisible
 from .config import DTYPE_NAMES, TORCH_DTYPES, EngineConfig
-from .quantize import QuantizationReport, default_quantization, quantize_model
+from .quantize import QuantizationReport, default_quantization, gguf_blocker, gguf_report, quantize_model
 
 if TYPE_CHECKING:
     from .distributed import TensorParallel
@@ -110,11 +111,17 @@ class ModelRunner:
 
     def _build(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
         shard = TPShard(self.tp.rank, self.tp.size, self.tp.all_reduce) if self.tp is not None else None
-        self.model = build_model(self.config, iter_weights(checkpoint, dtype=torch.float32, device="cpu"),
-                                 dtype=self.dtype, device=self.device, tp=shard)
-        self.quantization: QuantizationReport = quantize_model(
-            self.model, config.quantization or default_quantization(), from_gguf=checkpoint.source in ("gguf", "embedded"),
-            device=self.device, dtype=self.dtype, tp_size=self.tp.size if self.tp else 1)
+        mode = config.quantization or default_quantization()
+        tp_size = self.tp.size if self.tp else 1
+        if (checkpoint.gguf is not None and mode == "auto" and native.available()
+                and gguf_blocker(self.device, self.dtype, tp_size) is None):
+            self.model = build_gguf_model(self.config, checkpoint.gguf.tensors)
+            self.quantization: QuantizationReport = gguf_report(self.model, kernel_counts(self.model))
+        else:
+            self.model = build_model(self.config, iter_weights(checkpoint, dtype=torch.float32, device="cpu"),
+                                     dtype=self.dtype, device=self.device, tp=shard)
+            self.quantization = quantize_model(self.model, mode, from_gguf=checkpoint.gguf is not None,
+                                               device=self.device, dtype=self.dtype, tp_size=tp_size)
         logger.info("quantization: %s (%s)", self.quantization.mode, self.quantization.reason)
         attn = self.model.layers[0].self_attn
         pool_cfg = KVPoolConfig(num_layers=len(self.model.layers), num_kv_heads=attn.num_kv_heads,

@@ -1,13 +1,15 @@
-"""Choose and apply weight-only quantization to a loaded model (CPU decode is bound by weight bytes).
+"""Choose and apply the weights' precision for a loaded model (CPU decode is bound by weight bytes).
 
 Modes (`Engine(quantization=...)`, `--quantization`):
-- "none": the fp32/bf16 reference path, which reproduces HF transformers' greedy tokens.
+- "auto" (default): a GGUF file runs in its own tensor types on the native kernels ("gguf", built
+  by `models/gguf_weights.py`; `gguf_report` says per type which kernel runs how many tensors)
+  wherever those run (CPU, fp32, one process); everything else is the fp reference ("none").
+  Never decided by timing: a busy machine must not change a model's precision.
+- "none": the fp32/bf16 reference path, which reproduces HF transformers' greedy tokens (a GGUF
+  is dequantized in memory, as gguf's dequantizer does).
 - "int4": every attention and MLP linear as 4-bit groups of 32 (GGUF Q4_1 layout), LM head int8.
-  On a model loaded from a Q4_1 GGUF the codes are the file's own, recovered exactly.
+  On weights dequantized from Q4_1 the codes are the file's own, recovered exactly.
 - "int8": every linear and the LM head as int8 with a scale per output row.
-- "auto" (default): "int4" when all of these hold, else "none": the model came from a GGUF whose
-  linears are exactly 4-bit (so nothing is lost that the file had), it runs in fp32 on the CPU in
-  one process, and torch's int4 kernel beats fp32 on this CPU by a clear margin (measured once).
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ from radix_backend.kernels import quant
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
-# "auto" picks int4 only where the kernel is clearly faster than fp32 at batch 1 on this CPU
-AUTO_MIN_SPEEDUP = 1.5
 _LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
@@ -40,6 +40,7 @@ class QuantizationReport:
     weight_bytes: int = 0  # read by a small-batch decode step (the low-bit copies)
     dense_dtype: torch.dtype | None = None  # of the dense copy large batches run on (None: no quantization)
     decode_stack: bool = False  # small decode steps run every layer in one native call
+    kernels: dict[str, dict[str, int]] | None = None  # "gguf": {ggml type: {kernel: tensors}}
 
 
 def default_quantization() -> str:
@@ -82,7 +83,7 @@ def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torc
 
 def _decide(model: nn.Module, mode: str, from_gguf: bool,
             blocker: str | None) -> tuple[QuantizationReport, dict[str, quant.Int4Codes]]:
-    """The mode to apply and, for "auto", the int4 codes it already derived (checked exact)."""
+    """The mode to apply ("auto" reaches here only where the GGUF's own types cannot run)."""
     if mode == "none":
         return QuantizationReport("none", "quantization='none'"), {}
     if blocker:
@@ -91,18 +92,30 @@ def _decide(model: nn.Module, mode: str, from_gguf: bool,
         raise ValueError(f"quantization={mode!r} is not available: {blocker}")
     if mode != "auto":
         return QuantizationReport(mode, f"quantization={mode!r}"), {}
-    if not from_gguf:
-        return QuantizationReport("none", "auto: fp checkpoint (pass quantization='int8' or 'int4' to quantize it)"), {}
-    codes = {}
-    for name, lin in _linears(model):
-        q = quant.q4_1_codes(lin.weight)
-        if not q.exact:
-            return QuantizationReport("none", f"auto: GGUF weights of {name} are not 4-bit groups of 32"), {}
-        codes[name] = q
-    speedup = quant.int4_kernel_speedup()
-    if speedup < AUTO_MIN_SPEEDUP:
-        return QuantizationReport("none", f"auto: int4 kernel only {speedup:.2f}x fp32 on this CPU"), {}
-    return QuantizationReport("int4", f"auto: lossless Q4_1 weights, int4 kernel {speedup:.1f}x fp32 here"), codes
+    if from_gguf:
+        return QuantizationReport("none", "auto: the GGUF's own types need the native CPU kernels, which are "
+                                          "not available here (no C compiler, or RADIX_BACKEND_NATIVE=0)"), {}
+    return QuantizationReport("none", "auto: fp checkpoint (pass quantization='int8' or 'int4' to quantize it)"), {}
+
+
+def gguf_blocker(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
+    """Why a GGUF cannot run in its own types here (None: it can)."""
+    return _unsupported(device, dtype, tp_size)
+
+
+def gguf_report(model: nn.Module, counts: dict[str, dict[str, int]]) -> QuantizationReport:
+    """What a model built from a GGUF in its own types runs where."""
+    low = sum(n for kernels in counts.values() for kernel, n in kernels.items() if kernel.startswith("native"))
+    total = sum(n for kernels in counts.values() for n in kernels.values())
+    summary = ", ".join(f"{kind}: " + ", ".join(f"{n} {kernel}" for kernel, n in kernels.items())
+                        for kind, kernels in counts.items())
+    report = QuantizationReport("gguf", f"auto: the GGUF's own tensor types ({summary})", layers=total,
+                                lossless=True, kernels=counts)
+    report.decode_stack = model.build_decode_stack()
+    report.weight_bytes = weight_bytes(model)
+    if low < total:
+        logger.info("GGUF tensors on fp32: %d of %d", total - low, total)
+    return report
 
 
 def _unsupported(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
@@ -134,9 +147,10 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes a small-batch decode step reads for weights (the embedding table and the dense copies
     that only large batches use are excluded: a lookup reads a few rows)."""
     quantized_head = getattr(model, "lm_head_quant", None) is not None
-    skip = {id(model.embed_tokens.weight), id(model.cos_sin_cache)}
+    embedding = getattr(model.embed_tokens, "weight", None)  # None: a GGUF table read in place
+    skip = {id(embedding), id(model.cos_sin_cache)}
     skip.update(id(t) for name, t in model.named_buffers() if name.endswith("dense_weight"))
-    if quantized_head and not model.tie_word_embeddings:
+    if quantized_head and hasattr(model, "lm_head"):
         skip.add(id(model.lm_head.weight))  # kept for lm_head_weight readers; the forward reads the int8 copy
     total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if id(t) not in skip)
     if not quantized_head and model.tie_word_embeddings:

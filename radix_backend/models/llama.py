@@ -65,14 +65,20 @@ def check_tp_divisible(config, tp_size: int) -> None:
             f"Valid tp_size values for this model: {divisors}")
 
 
-def _rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] = cos half then sin half, with HF's rope scaling applied."""
+def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, head_dim] = cos half then sin half, with HF's rope scaling applied, and a
+    GGUF's per-frequency factors (`rope_freq_factors`, Llama 3's rope_freqs.weight: each
+    frequency divided by its factor, as llama.cpp does)."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     rope = LlamaRotaryEmbedding(config=config)
     if rope.inv_freq.numel() * 2 != head_dim:
         raise ValueError(f"partial rotary embeddings are not supported (rotary dim {rope.inv_freq.numel() * 2}, head_dim {head_dim})")
-    return ops.build_cos_sin_cache(rope.inv_freq, max_positions, float(rope.attention_scaling))
+    inv_freq = rope.inv_freq
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None:
+        inv_freq = inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
+    return ops.build_cos_sin_cache(inv_freq, max_positions, float(rope.attention_scaling))
 
 
 class RMSNorm(nn.Module):
@@ -186,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         head_dim = self.layers[0].self_attn.head_dim
-        self.register_buffer("cos_sin_cache", _rope_cos_sin_cache(config, head_dim, config.max_position_embeddings),
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, head_dim, config.max_position_embeddings),
                              persistent=False)
         self.lm_head_quant: nn.Module | None = None  # set by radix_backend.quantize when the head is quantized
         # Intra-op threads for the LM head when the caller runs the rest of a small step on fewer
@@ -239,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         weights = []
         for layer, lins in linears:
-            packed = [dataclasses.replace(lin.native_q4, bias=None if lin.bias is None else lin.bias.detach().float())
+            packed = [lin.native_q4 if lin.bias is None else dataclasses.replace(lin.native_q4, bias=lin.bias.detach().float())
                       for lin in lins]
             weights.append(LayerWeights(layer.input_layernorm.weight.detach().float().contiguous(),
                                         layer.post_attention_layernorm.weight.detach().float().contiguous(),
@@ -333,6 +339,6 @@ def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torc
     model.load_weights(weights)
     model = model.to(dtype)
     # after the dtype cast, so the table stays fp32 (a bf16 round trip would lose precision)
-    model.cos_sin_cache = _rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
+    model.cos_sin_cache = rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
                                               config.max_position_embeddings).to(device)
     return model.eval()

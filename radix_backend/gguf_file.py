@@ -1,0 +1,314 @@
+"""A GGUF model file read in place: its config from the metadata, its tensors in their own types.
+
+The file is memory-mapped (`gguf.GGUFReader`); nothing is dequantized here. Before any tensor is
+touched, the architecture and every metadata field the model would act on are checked: a field
+we would otherwise ignore (rope scaling we do not apply, a sliding window, experts, an activation
+we do not implement) is a `ModelLoadError` naming it, never a silent approximation. Llama 3's
+`rope_freqs.weight` is applied (it divides the rotary frequencies, as in llama.cpp).
+
+Tensor names become the HF ones the model loads (`hf_name`); llama.cpp's converter permutes the
+rows of a Llama model's q/k weights for its interleaved RoPE, which is undone here (rows only, so
+on the raw blocks) because the model applies HF's half-split RoPE.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from radix_backend.kernels import ggml
+
+from .errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# GGUF architecture -> (transformers config class name, HF architecture, model_type)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3"),
+}
+# per-architecture metadata keys (after "<arch>.") that the model honours
+HONOURED = {"context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+            "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+            "rope.dimension_count", "attention.key_length", "attention.value_length", "vocab_size",
+            "rope.scaling.type", "rope.scaling.factor"}
+# other key families that do not change the math
+HARMLESS_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+                   "output.weight": "lm_head.weight"}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass
+class GGUFModel:
+    """A checked GGUF model file: `config` for the model, `tensors` by HF name (raw blocks)."""
+
+    path: Path
+    arch: str
+    config: PretrainedConfig
+    tensors: dict[str, ggml.RawTensor]
+    metadata: dict[str, Any] = field(repr=False)
+
+    def type_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            name = ggml.type_name(t.ggml_type)
+            counts[name] = counts.get(name, 0) + 1
+        return counts
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+# arrays longer than this are skipped, not decoded (the tokenizer's vocabulary and merges: the
+# tokenizer is read by transformers, and decoding 100k strings would cost seconds per load)
+_LARGE_ARRAY = 4096
+
+
+@dataclass
+class _TensorInfo:
+    name: str
+    shape: list[int]  # ggml order: ne[0] (columns) first
+    ggml_type: int
+    offset: int
+
+
+class _Cursor:
+    """Reads GGUF's little-endian header fields, refusing to run past the end of the file."""
+
+    def __init__(self, buf, path: Path) -> None:
+        self.buf, self.at, self.path = buf, 0, path
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.at + n > len(self.buf):
+            raise ModelLoadError(f"{self.path} is truncated or not a GGUF file (header runs past its end)")
+        view = memoryview(self.buf)[self.at:self.at + n]
+        self.at += n
+        return view
+
+    def scalar(self, kind: int):
+        fmt = _SCALARS.get(kind)
+        if fmt is None:
+            raise ModelLoadError(f"{self.path}: unknown GGUF value type {kind}")
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return bytes(self.take(self.scalar(10))).decode("utf-8", errors="replace")
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            return self.scalar(kind)
+        item, count = self.scalar(4), self.scalar(10)
+        if count > _LARGE_ARRAY:
+            for _ in range(count):
+                self.skip(item)
+            return None
+        return [self.value(item) for _ in range(count)]
+
+    def skip(self, kind: int) -> None:
+        if kind == _STRING:
+            self.take(self.scalar(10))
+        elif kind == _ARRAY:
+            item, count = self.scalar(4), self.scalar(10)
+            if item in _SCALARS:
+                self.take(struct.calcsize(_SCALARS[item]) * count)
+            else:
+                for _ in range(count):
+                    self.skip(item)
+        else:
+            self.take(struct.calcsize(_SCALARS.get(kind, "<B")) if kind in _SCALARS else -1)
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], list[_TensorInfo], np.memmap]:
+    """(metadata, tensor infos, the file mapped read-only) of a GGUF file; tensor data is not read.
+    Large arrays (the tokenizer's vocabulary) are skipped and given as None."""
+    try:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot map GGUF file {path}: {exc}") from exc
+    cur = _Cursor(mapped, path)
+    if bytes(cur.take(4)) != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic)")
+    version = cur.scalar(4)
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar(4))
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = cur.scalar(4)
+        if dims > 4:
+            raise ModelLoadError(f"{path}: tensor {name} has {dims} dimensions")
+        shape = [cur.scalar(10) for _ in range(dims)]
+        infos.append(_TensorInfo(name, shape, cur.scalar(4), cur.scalar(10)))
+    alignment = int(metadata.get("general.alignment", 32) or 32)
+    data_start = (cur.at + alignment - 1) // alignment * alignment
+    for info in infos:
+        info.offset += data_start
+    return metadata, infos, mapped
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """The metadata of a GGUF file (large arrays as None)."""
+    return read_header(path)[0]
+
+
+def open_gguf(path: Path) -> GGUFModel:
+    """Read and check `path` (see the module docstring); tensors stay in the mapped file."""
+    meta, infos, mapped = read_header(path)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{path.name}: GGUF architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(ARCHITECTURES)}")
+    if int(meta.get("split.count", 1) or 1) > 1:
+        raise ModelLoadError(f"{path.name} is one part of a split GGUF; merge the parts first (llama-gguf-split --merge)")
+    unknown = sorted(k for k in meta if not k.startswith(HARMLESS_PREFIXES) and not k.startswith("split.")
+                     and not (k.startswith(arch + ".") and k[len(arch) + 1:] in HONOURED))
+    if unknown:
+        raise ModelLoadError(f"{path.name}: metadata field(s) {', '.join(unknown)} would change the model's math "
+                             "and are not implemented; refusing to run it approximately")
+    tensors, rope_factors = _tensors(path, infos, mapped)
+    config = _config(path, arch, meta, tensors, rope_factors)
+    _unpermute_qk(arch, config, tensors)
+    return GGUFModel(path, arch, config, tensors, meta)
+
+
+def _require(meta: dict[str, Any], key: str, path: Path) -> Any:
+    value = meta.get(key)
+    if value is None:
+        raise ModelLoadError(f"{path.name}: GGUF metadata lacks {key!r}")
+    if isinstance(value, list):
+        raise ModelLoadError(f"{path.name}: per-layer values for {key!r} are not supported")
+    return value
+
+
+def _tensors(path: Path, infos: list[_TensorInfo], mapped: np.memmap) -> tuple[dict[str, ggml.RawTensor], np.ndarray | None]:
+    tensors: dict[str, ggml.RawTensor] = {}
+    rope_factors = None
+    for info in infos:
+        kind = info.ggml_type
+        ggml.check_supported(kind, f"{path.name}: tensor {info.name}")
+        cols = int(info.shape[0]) if info.shape else 1
+        rows = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
+        per_block, nbytes = ggml.BLOCK[kind]
+        if cols % per_block or cols <= 0 or rows <= 0:
+            raise ModelLoadError(f"{path.name}: tensor {info.name} has {cols} columns, not whole "
+                                 f"{ggml.type_name(kind)} blocks of {per_block}")
+        size = rows * (cols // per_block) * nbytes
+        if info.offset + size > mapped.shape[0]:
+            raise ModelLoadError(f"{path.name}: tensor {info.name} runs past the end of the file (truncated?)")
+        data = mapped[info.offset:info.offset + size].reshape(rows, -1)
+        if info.name == "rope_freqs.weight":
+            rope_factors = ggml.dequantize(ggml.RawTensor(info.name, kind, rows, cols, data)).reshape(-1).numpy()
+            continue
+        name = _hf_name(path, info.name)
+        if name in tensors:
+            raise ModelLoadError(f"{path.name}: tensor {info.name} appears twice")
+        tensors[name] = ggml.RawTensor(info.name, kind, rows, cols, data)
+    return tensors, rope_factors
+
+
+def _hf_name(path: Path, name: str) -> str:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    match = _LAYER_NAME.fullmatch(name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    raise ModelLoadError(f"{path.name}: tensor {name!r} is not part of a model we implement (would be ignored)")
+
+
+def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml.RawTensor],
+            rope_factors: np.ndarray | None) -> PretrainedConfig:
+    import transformers
+
+    class_name, hf_arch, model_type = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default) if default is not None else _require(meta, f"{arch}.{key}", path)
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    kv_heads = int(get("attention.head_count_kv", heads))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"{path.name}: different key and value head sizes are not supported")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError(f"{path.name}: partial rotary embeddings ({arch}.rope.dimension_count="
+                             f"{get('rope.dimension_count')}, head size {head_dim}) are not supported")
+    rope_scaling = None
+    scaling = get("rope.scaling.type", "none")
+    if scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise ModelLoadError(f"{path.name}: {arch}.rope.scaling.type={scaling!r} is not implemented")
+    embed = tensors.get("embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path.name}: no token_embd.weight tensor")
+    vocab = int(get("vocab_size", embed.rows))
+    if vocab != embed.rows or embed.cols != hidden:
+        raise ModelLoadError(f"{path.name}: token_embd.weight is {embed.rows}x{embed.cols}, metadata says "
+                             f"{vocab}x{hidden}")
+    bias = "layers.0.self_attn.q_proj.bias" in tensors
+    if arch == "qwen2" and not bias:
+        raise ModelLoadError(f"{path.name}: a qwen2 model without attention biases is not supported")
+    if arch == "llama" and "layers.0.self_attn.q_norm.weight" in tensors:
+        raise ModelLoadError(f"{path.name}: q/k norms in a llama model are not supported")
+    config_class = getattr(transformers, class_name)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")), num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")), rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling, tie_word_embeddings="lm_head.weight" not in tensors, hidden_act="silu",
+        architectures=[hf_arch], torch_dtype="float32",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
+    if arch == "llama":
+        kwargs["attention_bias"] = bias
+    config = config_class(**kwargs)
+    if rope_factors is not None:
+        if rope_factors.shape[0] != head_dim // 2:
+            raise ModelLoadError(f"{path.name}: rope_freqs.weight has {rope_factors.shape[0]} values for head size "
+                                 f"{head_dim}")
+        config.rope_freq_factors = [float(v) for v in rope_factors]  # read by the model's RoPE table
+    return config
+
+
+def _unpermute_qk(arch: str, config, tensors: dict[str, ggml.RawTensor]) -> None:
+    """Undo llama.cpp's row permutation of a Llama model's q and k weights (HF's RoPE layout)."""
+    if arch != "llama":
+        return
+    for i in range(config.num_hidden_layers):
+        for proj, heads in (("q_proj", config.num_attention_heads), ("k_proj", config.num_key_value_heads)):
+            for kind in ("weight", "bias"):
+                t = tensors.get(f"layers.{i}.self_attn.{proj}.{kind}")
+                if t is None:
+                    continue
+                n = t.rows if kind == "weight" else t.cols
+                perm = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(-1)
+                if kind == "weight":
+                    t.data = np.ascontiguousarray(t.data[perm])
+                else:
+                    values = t.data.view(np.uint8).reshape(1, -1)
+                    width = values.shape[1] // n
+                    t.data = np.ascontiguousarray(values.reshape(n, width)[perm].reshape(1, -1))

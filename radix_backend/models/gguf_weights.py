@@ -1,0 +1,76 @@
+"""Build the model from a GGUF file with every weight in the file's own type.
+
+The model is laid out on the meta device, its linears, embedding and LM head are replaced by
+modules that hold the GGUF tensors in the kernels' layouts (`kernels.quant.GGUFLinear`,
+`GGUFEmbedding`), and only what is left (norms, the RoPE table) is allocated as fp32: no fp32
+copy of a weight matrix is ever made.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from radix_backend.kernels import ggml, quant
+
+from .llama import LlamaForCausalLM, rope_cos_sin_cache
+
+
+def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCausalLM:
+    """The CPU model of a GGUF file (see the module docstring); `tensors` by HF name."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    used: set[str] = set()
+
+    def raw(name: str) -> ggml.RawTensor:
+        used.add(name)
+        return tensors[name]
+
+    def bias(name: str) -> torch.Tensor | None:
+        return ggml.dequantize(raw(name)).reshape(-1) if name in tensors else None
+
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [f"{p}self_attn.{n}_proj" for n in "qkv"]
+        attn.qkv_proj = quant.GGUFLinear([raw(f"{n}.weight") for n in qkv], [bias(f"{n}.bias") for n in qkv])
+        attn.o_proj = quant.GGUFLinear([raw(f"{p}self_attn.o_proj.weight")])
+        mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_proj.weight"), raw(f"{p}mlp.up_proj.weight")])
+        mlp.down_proj = quant.GGUFLinear([raw(f"{p}mlp.down_proj.weight")])
+    model.embed_tokens = quant.GGUFEmbedding(raw("embed_tokens.weight"))
+    head = "embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
+    model.lm_head_quant = quant.GGUFLinear([raw(head)])
+    if not model.tie_word_embeddings:
+        del model.lm_head
+    _materialize(model)
+    for name, param in model.named_parameters():  # what is left: norms (and q/k norms)
+        param.data.copy_(ggml.dequantize(raw(name)).reshape(param.shape))
+    left = sorted(set(tensors) - used)
+    if left:
+        raise ValueError(f"GGUF tensors the model does not use: {left[:6]}")
+    model.cos_sin_cache = rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
+                                             config.max_position_embeddings)
+    return model.eval()
+
+
+def _materialize(model: nn.Module) -> None:
+    """Give every parameter and buffer still on the meta device real (uninitialised) CPU storage."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=False)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.empty_like(buf, device="cpu")
+
+
+def kernel_counts(model: nn.Module) -> dict[str, dict[str, int]]:
+    """{ggml type: {kernel: tensors}} over the model's GGUF linears (the LM head included)."""
+    counts: dict[str, Counter] = {}
+    for module in model.modules():
+        if isinstance(module, quant.GGUFLinear):
+            for kind, kernel in module.kernels:
+                counts.setdefault(kind, Counter())[kernel] += 1
+    return {kind: dict(c) for kind, c in sorted(counts.items())}
