@@ -144,6 +144,8 @@ def iter_weights(ckpt: Checkpoint, dtype: torch.dtype | None = None,
     model's. Floating tensors are cast to `dtype` (None keeps the stored dtype); all go to `device`."""
     from safetensors import safe_open
 
+    import torch
+
     if ckpt.gguf is not None:  # dequantized one tensor at a time (the fp32 reference path)
         from radix_backend.kernels import ggml
 

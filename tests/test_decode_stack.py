@@ -219,8 +219,7 @@ def test_smollm2_decode_runs_the_stack_and_tracks_fp32(monkeypatch):
     with Engine(kv_cache_tokens=4096) as ref:
         fp32 = [ref.generate(messages=[{"role": "user", "content": p}], params=params).token_ids for p in prompts]
     with Engine(kv_cache_tokens=4096, quantization="auto") as eng:
-        if eng.runner.quantization.mode != "int4":
-            pytest.skip(f"auto chose fp32 on this CPU: {eng.runner.quantization.reason}")
+        assert eng.runner.quantization.mode == "gguf" and eng.runner.quantization.decode_stack
         cold = [eng.generate(messages=[{"role": "user", "content": p}], params=params).token_ids for p in prompts]
         warm = [eng.generate(messages=[{"role": "user", "content": p}], params=params).token_ids for p in prompts]
     assert calls and set(calls) == {1}

@@ -19,7 +19,8 @@ import torch
 
 from radix_backend import loader
 from radix_backend.errors import ModelLoadError
-from radix_backend.loader import (Checkpoint, embedded_gguf_path, gguf_cache_path, iter_weights, load_tokenizer,
+from radix_backend.loader import (Checkpoint, embedded_gguf_path, gguf_cache_path, hf_directory, iter_weights,
+                                  load_tokenizer,
                                   resolve_checkpoint, weight_files)
 from radix_backend.paths import cache_dir
 
@@ -105,7 +106,7 @@ def converted(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Chec
     """The tiny GGUF converted once into a private cache dir (real transformers conversion)."""
     with pytest.MonkeyPatch.context() as mp:  # only for this call: the session fixtures use the user cache
         mp.setenv("RADIX_BACKEND_CACHE", str(tmp_path_factory.mktemp("cache")))
-        return resolve_checkpoint(tiny_gguf)
+        return loader._dir_checkpoint(hf_directory(resolve_checkpoint(tiny_gguf)), "gguf")
 
 
 @pytest.fixture
@@ -177,9 +178,9 @@ def test_gguf_cache_is_reused_quickly(converted: Checkpoint, tiny_gguf: Path, mo
     calls: list[Path] = []
     monkeypatch.setattr(loader, "_convert_gguf", fake_converter(calls))
     start = time.perf_counter()
-    again = resolve_checkpoint(tiny_gguf)
+    again = hf_directory(resolve_checkpoint(tiny_gguf))
     assert time.perf_counter() - start < 1.0
-    assert calls == [] and again.path == converted.path
+    assert calls == [] and again == converted.path
     # Only finished entries (and their lock files) remain: no temp dirs.
     assert sorted(p.name for p in converted.path.parent.iterdir() if not p.name.endswith(".lock")) == [converted.path.name]
 
@@ -188,14 +189,14 @@ def test_cache_key_follows_file_identity(tiny_gguf: Path, private_cache: Path, t
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Path] = []
     monkeypatch.setattr(loader, "_convert_gguf", fake_converter(calls))
-    first = resolve_checkpoint(tiny_gguf).path
+    first = hf_directory(resolve_checkpoint(tiny_gguf))
     assert first.parent.parent == private_cache and first.name.startswith("tiny-llama-")
     copy = tmp_path / "tiny-llama.gguf"
     copy.write_bytes(tiny_gguf.read_bytes())
     os.utime(copy, ns=(1_000_000_000, 1_000_000_000))  # same name and size, other mtime: a new entry
-    second = resolve_checkpoint(copy).path
+    second = hf_directory(resolve_checkpoint(copy))
     assert second != first and len(calls) == 2
-    assert resolve_checkpoint(copy).path == second and len(calls) == 2
+    assert hf_directory(resolve_checkpoint(copy)) == second and len(calls) == 2
 
 
 def test_concurrent_first_use_converts_once(tiny_gguf: Path, private_cache: Path,
@@ -207,7 +208,7 @@ def test_concurrent_first_use_converts_once(tiny_gguf: Path, private_cache: Path
 
     def worker() -> None:
         try:
-            results.append(resolve_checkpoint(tiny_gguf).path)
+            results.append(hf_directory(resolve_checkpoint(tiny_gguf)))
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -233,7 +234,7 @@ def test_losing_the_rename_race_keeps_the_winner(tiny_gguf: Path, private_cache:
         real(gguf, target)  # the winner's complete entry appears before our rename
 
     monkeypatch.setattr(loader, "_convert_gguf", convert_and_lose)
-    assert resolve_checkpoint(tiny_gguf).path == target
+    assert hf_directory(resolve_checkpoint(tiny_gguf)) == target
     assert [p.name for p in target.parent.iterdir() if not p.name.endswith(".lock")] == [target.name]
 
 
@@ -245,7 +246,7 @@ def test_stale_temp_dirs_of_killed_runs_are_removed(tiny_gguf: Path, private_cac
     stale = target.parent / f"{target.name}.tmp-killed"
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{")
-    assert resolve_checkpoint(tiny_gguf).path == target
+    assert hf_directory(resolve_checkpoint(tiny_gguf)) == target
     assert not stale.exists() and len(calls) == 1
 
 
@@ -254,8 +255,7 @@ def test_corrupt_gguf_gives_model_load_error_and_leaves_no_entry(tmp_path: Path,
     bad.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ModelLoadError, match="broken.gguf"):
         resolve_checkpoint(bad)
-    leftovers = [p.name for p in (private_cache / "gguf").iterdir() if not p.name.endswith(".lock")]
-    assert leftovers == []
+    assert not (private_cache / "gguf").exists()  # refused before anything is written
 
 
 # --------------------------------------------------------------------------- checkpoint dirs
@@ -418,14 +418,14 @@ def test_embedded_smollm2(smollm2_checkpoint: Checkpoint, smollm2_tokenizer) -> 
     cfg = ckpt.config
     assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == ("llama", 576, 30, 49152)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (9, 3, True)
-    assert "quantization_config" not in json.loads((ckpt.path / "config.json").read_text())
+    assert ckpt.path == embedded_gguf_path() and ckpt.gguf is not None  # read in place, no converted copy
     shapes: dict[str, tuple[int, ...]] = {}
     embed = None
     for name, tensor in iter_weights(ckpt):
         shapes[name] = tuple(tensor.shape)
-        if name == "model.embed_tokens.weight":
+        if name == "embed_tokens.weight":
             embed = tensor
-    assert len(shapes) == 2 + 9 * 30 and shapes["model.embed_tokens.weight"] == (49152, 576)
+    assert len(shapes) == 2 + 9 * 30 and shapes["embed_tokens.weight"] == (49152, 576)
     ref = dequantized(embedded_gguf_path(), "token_embd.weight")["token_embd.weight"]
     torch.testing.assert_close(embed, ref, rtol=0, atol=0)
     text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
