@@ -91,13 +91,18 @@ def group_codes(t: RawTensor, rows: slice | np.ndarray | None = None) -> q4.Grou
     n, nb = b.shape[:2]
     kind = t.ggml_type
 
+    def tensor(a: np.ndarray | None, dtype) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(n, -1), dtype=dtype))
+
     def out(codes: np.ndarray, first: np.ndarray, second: np.ndarray | None, layout: int, high_bits: int = 0,
-            offset: float = 0.0, f32: bool = False) -> q4.GroupCodes:
-        return q4.GroupCodes(torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1), dtype=np.uint8)),
-                             torch.from_numpy(np.ascontiguousarray(first.reshape(n, -1), dtype=np.float32)),
-                             None if second is None else torch.from_numpy(
-                                 np.ascontiguousarray(second.reshape(n, -1), dtype=np.float32)),
-                             layout, high_bits, offset, f32)
+            offset: float = 0.0, k_parts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> q4.GroupCodes:
+        sub_first, sub_second, factors = k_parts or (None, None, None)
+        weights = q4.GroupCodes(tensor(codes, np.uint8), tensor(first, np.float32), tensor(second, np.float32),
+                                layout, high_bits, offset, k_parts is not None, tensor(sub_first, np.int8),
+                                tensor(sub_second, np.int8), tensor(factors, np.float16))
+        if weights.factors is not None:
+            weights.factors = weights.factors.view(n, -1, 2)
+        return weights
 
     if kind in (Q4_0, Q4_1):
         d = _f16(b[..., 0:2])
@@ -127,15 +132,19 @@ def group_codes(t: RawTensor, rows: slice | np.ndarray | None = None) -> q4.Grou
             high_bits = 1
         scale = d[..., None] * sc  # [n, nb, 8]: exact in fp32, as gguf computes it
         minimum = -(dmin[..., None] * mn)
-        return out(codes, scale, minimum, q4.SCALE_MIN, high_bits, f32=True)
+        factors = np.stack([d, -dmin], axis=-1).astype(np.float16)  # -dmin * m == -(dmin * m) exactly
+        return out(codes, scale, minimum, q4.SCALE_MIN, high_bits, k_parts=(sc, mn, factors))
     if kind == Q6_K:
         ql, qh, scales = b[..., 0:128], b[..., 128:192], b[..., 192:208]
         d = _f16(b[..., 208:210])
         low = _nibbles(ql.reshape(n, nb, 2, 64))  # 2 chunks of 128 weights
         upper = (qh.reshape(n, nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
         codes = low | (upper.reshape(n, nb, 2, 128) << 4)
-        scale = (d[..., None] * scales.view(np.int8).astype(np.float32)).reshape(n, nb, 8, 2)
-        return out(codes, scale[..., 0], scale[..., 1], q4.SCALE16_OFFSET, 2, offset=32.0, f32=True)
+        sub = np.ascontiguousarray(scales).view(np.int8).reshape(n, nb, 8, 2)
+        scale = d[..., None, None] * sub.astype(np.float32)
+        factors = np.stack([d, d], axis=-1).astype(np.float16)
+        return out(codes, scale[..., 0], scale[..., 1], q4.SCALE16_OFFSET, 2, offset=32.0,
+                   k_parts=(sub[..., 0], sub[..., 1], factors))
     raise UnsupportedTensorType(f"{t.name}: {type_name(kind)} is not a low-bit group type")
 
 

@@ -37,8 +37,11 @@ class Q4WeightStruct(ctypes.Structure):
 Q4WeightStruct._fields_ = [
     ("codes", ctypes.c_void_p), ("params", ctypes.c_void_p), ("bias", ctypes.c_void_p),
     ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64), ("high", ctypes.c_void_p),
-    ("high_bits", ctypes.c_int32), ("layout", ctypes.c_int32), ("params_f32", ctypes.c_int32),
-    ("offset", ctypes.c_float), ("next", ctypes.POINTER(Q4WeightStruct))]
+    ("super", ctypes.c_void_p), ("high_bits", ctypes.c_int32), ("layout", ctypes.c_int32),
+    ("params_kind", ctypes.c_int32), ("offset", ctypes.c_float), ("next", ctypes.POINTER(Q4WeightStruct))]
+# parameter storage (csrc/q4.h): fp16, fp32, or the K-quants' int8 sub-scales times fp16 factors
+PARAMS_KIND = {torch.float16: 0, torch.float32: 1, torch.int8: 2}
+SUPER_GROUPS = 8  # groups of 32 per K-quant super-block of 256
 
 
 @dataclass
@@ -54,6 +57,10 @@ class GroupCodes:
     high_bits: int = 0
     offset: float = 0.0
     params_f32: bool = False  # else fp16 holds the parameters exactly
+    # K-quants, as stored: first = sub_first * factors[..., 0], second = sub_second * factors[..., 1]
+    sub_first: torch.Tensor | None = None  # [N, K / 32] int8
+    sub_second: torch.Tensor | None = None  # [N, K / 32] int8
+    factors: torch.Tensor | None = None  # [N, K / 256, 2] fp16
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, K], computed as GGUF's dequantizers do (one rounding per weight)."""
@@ -83,6 +90,7 @@ class PackedQ4:
     high_bits: int = 0
     layout: int = SCALE_MIN
     offset: float = 0.0
+    super: torch.Tensor | None = None  # K-quants: [N/16, K/256, 2, 16] fp16 factors of the int8 params
     next: PackedQ4 | None = None
     _struct: Q4WeightStruct | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -97,7 +105,8 @@ class PackedQ4:
             self._struct = Q4WeightStruct(
                 self.codes.data_ptr(), self.params.data_ptr(), None if self.bias is None else self.bias.data_ptr(),
                 self.in_features, self.out_features, None if self.high is None else self.high.data_ptr(),
-                self.high_bits, self.layout, int(self.params.dtype == torch.float32), self.offset, nxt)
+                None if self.super is None else self.super.data_ptr(), self.high_bits, self.layout,
+                PARAMS_KIND[self.params.dtype], self.offset, nxt)
         return self._struct
 
 
@@ -142,11 +151,18 @@ def pack(weights: GroupCodes, bias: torch.Tensor | None = None) -> PackedQ4:
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
         return t.view(n // Q4_ROWS, Q4_ROWS, groups).permute(0, 2, 1)
 
-    dtype = torch.float32 if weights.params_f32 else torch.float16
-    parts = [weights.first] if weights.second is None else [weights.first, weights.second]
-    params = torch.stack([per_block(p.float()) for p in parts], dim=2).to(dtype).contiguous()
+    superblocks = None
+    if weights.factors is not None:  # the file's own int8 sub-scales and fp16 factors
+        params = torch.stack([per_block(weights.sub_first), per_block(weights.sub_second)], dim=2).contiguous()
+        supers = groups // SUPER_GROUPS
+        superblocks = weights.factors.to(torch.float16).view(n // Q4_ROWS, Q4_ROWS, supers, 2)
+        superblocks = superblocks.permute(0, 2, 3, 1).contiguous()
+    else:
+        dtype = torch.float32 if weights.params_f32 else torch.float16
+        parts = [weights.first] if weights.second is None else [weights.first, weights.second]
+        params = torch.stack([per_block(p.float()) for p in parts], dim=2).to(dtype).contiguous()
     return PackedQ4(packed, params, None if bias is None else bias.detach().float().contiguous(), k, n, high,
-                    weights.high_bits, weights.layout, float(weights.offset))
+                    weights.high_bits, weights.layout, float(weights.offset), superblocks)
 
 
 def pad_rows(weights: GroupCodes) -> GroupCodes:
@@ -160,7 +176,8 @@ def pad_rows(weights: GroupCodes) -> GroupCodes:
         return None if t is None else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
 
     return GroupCodes(pad(weights.codes), pad(weights.first), pad(weights.second), weights.layout,
-                      weights.high_bits, weights.offset, weights.params_f32)
+                      weights.high_bits, weights.offset, weights.params_f32, pad(weights.sub_first),
+                      pad(weights.sub_second), pad(weights.factors))
 
 
 def chain(parts: list[PackedQ4]) -> PackedQ4:

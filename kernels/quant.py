@@ -42,13 +42,17 @@ KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized 
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
 # copy streams from memory (measured on a 2-core AVX-512 EPYC, SmolLM2 decode step at a 300-token
 # context, int4 vs bf16 dense: 85 vs 124 ms at batch 8, about even at 12-16, 248 vs 227 at 32;
-# prefill of 1024 tokens 2580 vs 1712 ms). With the weight in cache the crossover is ~8 rows.
+# prefill of 1024 tokens 2580 vs 1712 ms). With the weight in cache the crossover is ~8 rows
+# (`SMALL_BATCH_ROWS`, below).
+# The native low-bit kernels take the activations of small batches (decode steps of up to 16 rows)
+# as 16-bit integers per group of 32 (every product within ~2e-5 of fp32) and larger ones (prefill,
+# big decode batches) as 8-bit integers (llama.cpp's Q8_0/Q8_1 idea, ~5e-3), about twice as fast;
+# with 16 everywhere the greedy tokens equal the fp32 reference's on the same weights
+# (BENCHMARKS.md). The format follows the row count, so a greedy output can still change with its
+# batch-mates; LM heads of GGUF models always take 16 bits: they pick the tokens.
 SMALL_BATCH_ROWS = 16
-# The native 4-bit kernel takes larger batches' activations (prefill, decode of > 16 requests) as
-# 8-bit integers per group of 32, about 1.8x the speed of 16-bit ones; 16 keeps every product
-# within ~2e-5 of fp32, and the greedy tokens then equal the fp32 reference's (measured on the
-# bench workloads: 127/127 outputs, against 94/127 with 8 bits; BENCHMARKS.md).
 ACTIVATION_BITS_ENV = "RADIX_BACKEND_ACTIVATION_BITS"
+HEAD_ACTIVATION_BITS = 16
 
 
 def _large_batch_activation_bits() -> int:
@@ -62,8 +66,8 @@ LARGE_BATCH_ACTIVATION_BITS = _large_batch_activation_bits()
 
 
 def activation_bits(rows: int) -> int:
-    """Activation integers of the native 4-bit kernel for a matmul of `rows` rows: 16 bits (the
-    fp32 result within ~2e-5) for small batches, whose speed the weight bytes set anyway."""
+    """Activation integers of the native low-bit linears for a matmul of `rows` rows: 16 bits (the
+    fp32 result within ~2e-5) for small batches, `RADIX_BACKEND_ACTIVATION_BITS` (8) above."""
     return 16 if rows <= SMALL_BATCH_ROWS else LARGE_BATCH_ACTIVATION_BITS
 
 
@@ -299,9 +303,13 @@ class GGUFLinear(nn.Module):
     tensors, and every type where the native kernels do not build, run as fp32 (`kernels` says
     which ran where)."""
 
-    def __init__(self, parts: list[ggml.RawTensor], biases: list[torch.Tensor | None] | None = None) -> None:
+    def __init__(self, parts: list[ggml.RawTensor], biases: list[torch.Tensor | None] | None = None,
+                 fixed_activation_bits: int | None = None) -> None:
+        """`fixed_activation_bits`: this layer's activation format (the LM head's 16), else the
+        model-wide `activation_bits()`."""
         super().__init__()
         biases = biases or [None] * len(parts)
+        self.fixed_activation_bits = fixed_activation_bits
         self.in_features = parts[0].cols
         self.out_sizes = [p.rows for p in parts]
         self.out_features = sum(self.out_sizes)
@@ -334,12 +342,12 @@ class GGUFLinear(nn.Module):
 
     def _keep(self, name: str, weight: q4.PackedQ4) -> None:
         """Register the packed tensors as buffers (counted in the model's size and fingerprint)."""
-        for attr in ("codes", "params", "high", "bias"):
+        for attr in ("codes", "params", "high", "super", "bias"):
             self.register_buffer(f"{name}_{attr}", getattr(weight, attr))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        bits = activation_bits(flat.shape[0])
+        bits = self.fixed_activation_bits or activation_bits(flat.shape[0])
         threads = torch.get_num_threads()
         if self.native_q4 is not None:
             out = q4.q4_matmul(flat, self.native_q4, threads=threads, activation_bits=bits)

@@ -16,14 +16,19 @@
    Q4_SCALE16_OFFSET params [scale of features 0..15, scale of 16..31]: w = scale * (code - offset)
                      (Q6_K, whose sub-blocks are 16 weights) */
 enum { Q4_SCALE_MIN = 0, Q4_SCALE_OFFSET = 1, Q4_SCALE16_OFFSET = 2 };
+enum { Q4_PARAMS_F16 = 0, Q4_PARAMS_F32 = 1, Q4_PARAMS_K = 2 };
 
 /* codes [N / 16, K / 32, 4, 16, 4] bytes: for block b, group g, quad j (0..3), row r, byte k the
    low nibble holds the low 4 bits of feature 4j + k's code and the high nibble those of feature
    16 + 4j + k ("quads" 0..3 and 4..7), so a 64-byte load holds 4 features of all 16 rows.
    high [N / 16, K / 32, high_bits, 64] (5- and 6-bit codes): code bits 4.. of quad j sit in byte
    (r, k) of vector (j * high_bits) / 8 at bit (j * high_bits) % 8.
-   params [N / 16, K / 32, S, 16], fp16 (exact for the types that store fp16 per block) or fp32
-   (the K-quants' scale = d * sub-block scale, exact in fp32 only), S per `layout`.
+   params [N / 16, K / 32, S, 16], S per `layout`, in one of three kinds (`params_kind`):
+   Q4_PARAMS_F16 (the types that store fp16 per block of 32: exact), Q4_PARAMS_F32, or
+   Q4_PARAMS_K: the K-quants' int8 sub-block scales (and minimums), each multiplied by its
+   super-block's fp16 factor in `super` [N / 16, K / 256, 2, 16] (d for the first parameter, the
+   second's factor next: dmin negated for Q4_K/Q5_K, d again for Q6_K), as the file stores them:
+   the products are exact in fp32.
    `next` chains weights of the same input whose outputs are concatenated (a fused q/k/v of
    mixed types). */
 typedef struct rb_q4_weight {
@@ -32,9 +37,10 @@ typedef struct rb_q4_weight {
     const float *bias; /* [out] or NULL */
     int64_t in, out;   /* in a multiple of 32, out a multiple of Q4_ROWS */
     const uint8_t *high;
-    int32_t high_bits;  /* 0, 1 or 2: codes of 4, 5 or 6 bits */
-    int32_t layout;     /* Q4_SCALE_MIN, Q4_SCALE_OFFSET or Q4_SCALE16_OFFSET */
-    int32_t params_f32; /* params are fp32 (else fp16) */
+    const _Float16 *super; /* Q4_PARAMS_K only */
+    int32_t high_bits;   /* 0, 1 or 2: codes of 4, 5 or 6 bits */
+    int32_t layout;      /* Q4_SCALE_MIN, Q4_SCALE_OFFSET or Q4_SCALE16_OFFSET */
+    int32_t params_kind; /* Q4_PARAMS_F16, Q4_PARAMS_F32 or Q4_PARAMS_K */
     float offset;       /* the code offset of the *_OFFSET layouts */
     const struct rb_q4_weight *next;
 } rb_q4_weight;
@@ -44,6 +50,12 @@ static inline int64_t q4_chain_out(const rb_q4_weight *w) {
     int64_t out = 0;
     for (; w; w = w->next) out += w->out;
     return out;
+}
+
+/* bytes of one group's parameters for 16 rows */
+static inline int64_t q4_param_stride(const rb_q4_weight *w) {
+    const int64_t bytes = w->params_kind == Q4_PARAMS_F32 ? 4 : (w->params_kind == Q4_PARAMS_K ? 1 : 2);
+    return (w->layout == Q4_SCALE_OFFSET ? 1 : 2) * Q4_ROWS * bytes;
 }
 
 /* Activations as integers per group of 32, scaled so the group's largest magnitude is the

@@ -110,6 +110,26 @@ void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int6
 #define TILE 8 /* activation rows per pass over a block's codes */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* A group's integer dot products with one activation row's digits, for each of the block's 16
+   rows: quads 0..3 (features 0..15) into *a, quads 4..7 (16..31) into *b. One accumulator per
+   plane and pair of quads keeps the dependency chains short (a single chain made the 16-bit
+   decode step latency bound: 1.5x slower). */
+static inline __attribute__((always_inline)) void group_dots(const __m512i quad[8], const int8_t *q, const int P,
+                                                             __m512i *a, __m512i *b) {
+    __m512i part[2][4];
+    for (int p = 0; p < P; p++)
+        for (int c = 0; c < 4; c++) {
+            part[p][c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), quad[2 * c],
+                                             _mm512_set1_epi32(load_i32(q + p * 32 + 8 * c)));
+            part[p][c] = _mm512_dpbusd_epi32(part[p][c], quad[2 * c + 1], _mm512_set1_epi32(load_i32(q + p * 32 + 8 * c + 4)));
+        }
+    *a = _mm512_add_epi32(part[0][0], part[0][1]), *b = _mm512_add_epi32(part[0][2], part[0][3]);
+    if (P == 2) { /* high digits, then low ones */
+        *a = _mm512_add_epi32(_mm512_slli_epi32(*a, 8), _mm512_add_epi32(part[1][0], part[1][1]));
+        *b = _mm512_add_epi32(_mm512_slli_epi32(*b, 8), _mm512_add_epi32(part[1][2], part[1][3]));
+    }
+}
+
 /* out[i * 16 + r]: the 16 rows of one block for activation rows row0 .. row0 + R - 1 (R and P are
    constants after inlining, so the accumulators stay in registers) */
 static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
@@ -121,21 +141,17 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
     for (int64_t g = 0; g < groups; g++) {
         const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS)));
         const __m512 minimums = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS + Q4_ROWS)));
-        __m512i low[4], high[4];
+        __m512i quad[8];
         for (int j = 0; j < 4; j++) {
             const __m512i c = _mm512_loadu_si512((const void *)(codes + (g * 4 + j) * 64));
-            low[j] = _mm512_and_si512(c, nibble);
-            high[j] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
+            quad[j] = _mm512_and_si512(c, nibble);
+            quad[4 + j] = _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble);
         }
         for (int i = 0; i < R; i++) {
             const int64_t at = (row0 + i) * groups + g;
-            const int8_t *q = x->digits + at * P * 32;
-            __m512i dot = _mm512_setzero_si512();
-            for (int p = 0; p < P; p++) {
-                if (p) dot = _mm512_slli_epi32(dot, 8);
-                for (int j = 0; j < 4; j++) dot = _mm512_dpbusd_epi32(dot, low[j], _mm512_set1_epi32(load_i32(q + p * 32 + 4 * j)));
-                for (int j = 0; j < 4; j++) dot = _mm512_dpbusd_epi32(dot, high[j], _mm512_set1_epi32(load_i32(q + p * 32 + 16 + 4 * j)));
-            }
+            __m512i dot_a, dot_b;
+            group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
+            const __m512i dot = _mm512_add_epi32(dot_a, dot_b);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[at])), acc[i]);
             acc[i] = _mm512_fmadd_ps(minimums, _mm512_set1_ps(x->sum[at]), acc[i]);
         }
@@ -143,8 +159,10 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
     for (int i = 0; i < R; i++) _mm512_storeu_ps(out + i * Q4_ROWS, acc[i]);
 }
 
-static inline __m512 load_params16(const uint8_t *p, int f32) {
-    return f32 ? _mm512_loadu_ps((const float *)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+static inline __m512 load_params16(const uint8_t *p, int kind) {
+    if (kind == Q4_PARAMS_F32) return _mm512_loadu_ps((const float *)p);
+    if (kind == Q4_PARAMS_K) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* any format of q4.h (high bits, fp32 parameters, code offset, a scale per 16): the codes of quad
@@ -152,17 +170,23 @@ static inline __m512 load_params16(const uint8_t *p, int f32) {
    own dot products for the per-16 scales */
 static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w, const uint8_t *codes,
                                                           const uint8_t *high, const uint8_t *params,
+                                                          const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P) {
-    const int hb = w->high_bits, f32 = w->params_f32, layout = w->layout;
-    const int64_t half = Q4_ROWS * (f32 ? 4 : 2), stride = (layout == Q4_SCALE_OFFSET ? 1 : 2) * half;
+    const int hb = w->high_bits, kind = w->params_kind, layout = w->layout;
+    const int64_t stride = q4_param_stride(w), half = stride / (layout == Q4_SCALE_OFFSET ? 1 : 2);
     const __m512 negoff = _mm512_set1_ps(-w->offset);
     const __m512i nibble = _mm512_set1_epi8(15), hmask = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const __m512 first = load_params16(params + g * stride, f32);
-        const __m512 second = layout == Q4_SCALE_OFFSET ? first : load_params16(params + g * stride + half, f32);
+        __m512 first = load_params16(params + g * stride, kind);
+        __m512 second = layout == Q4_SCALE_OFFSET ? first : load_params16(params + g * stride + half, kind);
+        if (kind == Q4_PARAMS_K) { /* sub-block integers times their super-block's factors */
+            const _Float16 *f = super + (g / 8) * 2 * Q4_ROWS;
+            first = _mm512_mul_ps(first, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)f)));
+            second = _mm512_mul_ps(second, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(f + Q4_ROWS))));
+        }
         const __m512 scale_b = layout == Q4_SCALE16_OFFSET ? second : first;
         const __m512 min_a = layout == Q4_SCALE_MIN ? second : _mm512_mul_ps(first, negoff);
         const __m512 min_b = _mm512_mul_ps(scale_b, negoff);
@@ -181,13 +205,8 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
         }
         for (int i = 0; i < R; i++) {
             const int64_t at = (row0 + i) * groups + g;
-            const int8_t *q = x->digits + at * P * 32;
-            __m512i dot_a = _mm512_setzero_si512(), dot_b = _mm512_setzero_si512();
-            for (int p = 0; p < P; p++) {
-                if (p) dot_a = _mm512_slli_epi32(dot_a, 8), dot_b = _mm512_slli_epi32(dot_b, 8);
-                for (int j = 0; j < 4; j++) dot_a = _mm512_dpbusd_epi32(dot_a, quad[j], _mm512_set1_epi32(load_i32(q + p * 32 + 4 * j)));
-                for (int j = 4; j < 8; j++) dot_b = _mm512_dpbusd_epi32(dot_b, quad[j], _mm512_set1_epi32(load_i32(q + p * 32 + 4 * j)));
-            }
+            __m512i dot_a, dot_b;
+            group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
             const __m512 xs = _mm512_set1_ps(x->scale[at]);
             if (layout == Q4_SCALE16_OFFSET) {
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_a), _mm512_mul_ps(first, xs), acc[i]);
@@ -217,6 +236,22 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+/* group_dots of the AVX-512 build on 32-byte vectors (8 rows) */
+static inline __attribute__((always_inline)) void group_dots(const __m256i quad[8], const int8_t *q, const int P,
+                                                             __m256i *a, __m256i *b) {
+    __m256i part[2][4];
+    for (int p = 0; p < P; p++)
+        for (int c = 0; c < 4; c++) {
+            part[p][c] = dot_u8s8(_mm256_setzero_si256(), quad[2 * c], _mm256_set1_epi32(load_i32(q + p * 32 + 8 * c)));
+            part[p][c] = dot_u8s8(part[p][c], quad[2 * c + 1], _mm256_set1_epi32(load_i32(q + p * 32 + 8 * c + 4)));
+        }
+    *a = _mm256_add_epi32(part[0][0], part[0][1]), *b = _mm256_add_epi32(part[0][2], part[0][3]);
+    if (P == 2) {
+        *a = _mm256_add_epi32(_mm256_slli_epi32(*a, 8), _mm256_add_epi32(part[1][0], part[1][1]));
+        *b = _mm256_add_epi32(_mm256_slli_epi32(*b, 8), _mm256_add_epi32(part[1][2], part[1][3]));
+    }
+}
+
 /* as above on 32-byte vectors, one half block (8 rows) at a time */
 static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
@@ -228,21 +263,17 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         for (int64_t g = 0; g < groups; g++) {
             const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + h * 8)));
             const __m256 minimums = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + Q4_ROWS + h * 8)));
-            __m256i low[4], high[4];
+            __m256i quad[8];
             for (int j = 0; j < 4; j++) {
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + (g * 4 + j) * 64 + h * 32));
-                low[j] = _mm256_and_si256(c, nibble);
-                high[j] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+                quad[j] = _mm256_and_si256(c, nibble);
+                quad[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
             }
             for (int i = 0; i < R; i++) {
                 const int64_t at = (row0 + i) * groups + g;
-                const int8_t *q = x->digits + at * P * 32;
-                __m256i dot = _mm256_setzero_si256();
-                for (int p = 0; p < P; p++) {
-                    if (p) dot = _mm256_slli_epi32(dot, 8);
-                    for (int j = 0; j < 4; j++) dot = dot_u8s8(dot, low[j], _mm256_set1_epi32(load_i32(q + p * 32 + 4 * j)));
-                    for (int j = 0; j < 4; j++) dot = dot_u8s8(dot, high[j], _mm256_set1_epi32(load_i32(q + p * 32 + 16 + 4 * j)));
-                }
+                __m256i dot_a, dot_b;
+                group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
+                const __m256i dot = _mm256_add_epi32(dot_a, dot_b);
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scales, _mm256_set1_ps(x->scale[at])), acc[i]);
                 acc[i] = _mm256_fmadd_ps(minimums, _mm256_set1_ps(x->sum[at]), acc[i]);
             }
@@ -251,17 +282,21 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
     }
 }
 
-static inline __m256 load_params8(const uint8_t *p, int f32) {
-    return f32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+static inline __m256 load_params8(const uint8_t *p, int kind) {
+    if (kind == Q4_PARAMS_F32) return _mm256_loadu_ps((const float *)p);
+    if (kind == Q4_PARAMS_K) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
 /* qx_tile of the AVX-512 build on 32-byte vectors, one half block (8 rows) at a time */
 static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w, const uint8_t *codes,
                                                           const uint8_t *high, const uint8_t *params,
+                                                          const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P) {
-    const int hb = w->high_bits, f32 = w->params_f32, layout = w->layout, bytes = f32 ? 4 : 2;
-    const int64_t half = Q4_ROWS * bytes, stride = (layout == Q4_SCALE_OFFSET ? 1 : 2) * half;
+    const int hb = w->high_bits, kind = w->params_kind, layout = w->layout;
+    const int64_t bytes = kind == Q4_PARAMS_F32 ? 4 : (kind == Q4_PARAMS_K ? 1 : 2);
+    const int64_t half = Q4_ROWS * bytes, stride = q4_param_stride(w);
     const __m256 negoff = _mm256_set1_ps(-w->offset);
     const __m256i nibble = _mm256_set1_epi8(15), hmask = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4));
     for (int h = 0; h < 2; h++) {
@@ -269,8 +304,13 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
         for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *pg = params + g * stride + h * 8 * bytes;
-            const __m256 first = load_params8(pg, f32);
-            const __m256 second = layout == Q4_SCALE_OFFSET ? first : load_params8(pg + half, f32);
+            __m256 first = load_params8(pg, kind);
+            __m256 second = layout == Q4_SCALE_OFFSET ? first : load_params8(pg + half, kind);
+            if (kind == Q4_PARAMS_K) {
+                const _Float16 *f = super + (g / 8) * 2 * Q4_ROWS + h * 8;
+                first = _mm256_mul_ps(first, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)f)));
+                second = _mm256_mul_ps(second, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(f + Q4_ROWS))));
+            }
             const __m256 scale_b = layout == Q4_SCALE16_OFFSET ? second : first;
             const __m256 min_a = layout == Q4_SCALE_MIN ? second : _mm256_mul_ps(first, negoff);
             const __m256 min_b = _mm256_mul_ps(scale_b, negoff);
@@ -289,13 +329,8 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
             }
             for (int i = 0; i < R; i++) {
                 const int64_t at = (row0 + i) * groups + g;
-                const int8_t *q = x->digits + at * P * 32;
-                __m256i dot_a = _mm256_setzero_si256(), dot_b = _mm256_setzero_si256();
-                for (int p = 0; p < P; p++) { /* codes <= 63, |digits| <= 128: no int16 saturation */
-                    if (p) dot_a = _mm256_slli_epi32(dot_a, 8), dot_b = _mm256_slli_epi32(dot_b, 8);
-                    for (int j = 0; j < 4; j++) dot_a = dot_u8s8(dot_a, quad[j], _mm256_set1_epi32(load_i32(q + p * 32 + 4 * j)));
-                    for (int j = 4; j < 8; j++) dot_b = dot_u8s8(dot_b, quad[j], _mm256_set1_epi32(load_i32(q + p * 32 + 4 * j)));
-                }
+                __m256i dot_a, dot_b; /* codes <= 63, |digits| <= 128: no int16 saturation */
+                group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
                 const __m256 xs = _mm256_set1_ps(x->scale[at]);
                 if (layout == Q4_SCALE16_OFFSET) {
                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_a), _mm256_mul_ps(first, xs), acc[i]);
@@ -316,13 +351,13 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
 
 /* the plain Q4_1 format (the embedded model's) keeps its own tile; every other one takes qx_tile */
 static inline int q4_plain(const rb_q4_weight *w) {
-    return !w->high_bits && w->layout == Q4_SCALE_MIN && !w->params_f32;
+    return !w->high_bits && w->layout == Q4_SCALE_MIN && w->params_kind == Q4_PARAMS_F16;
 }
 
 #ifdef HAVE_Q4_TILE
 #define TILE_CALL(r, p)                                                                               \
     if (plain) q4_tile(codes, (const _Float16 *)params, x, row0, groups, out, r, p);                  \
-    else qx_tile(w, codes, high, params, x, row0, groups, out, r, p);
+    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p);
 #define TILE_CASE(r)                                                                                  \
     case r:                                                                                           \
         if (x->planes == 1) { TILE_CALL(r, 1) }                                                       \
@@ -330,7 +365,8 @@ static inline int q4_plain(const rb_q4_weight *w) {
         break;
 
 static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
-                    const q4_activations *x, int64_t row0, int64_t rows, int64_t groups, float *out) {
+                    const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
+                    float *out) {
     const int plain = q4_plain(w);
     switch (rows) {
     TILE_CASE(1)
@@ -348,14 +384,17 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
     }
 }
 #else
-static inline float q4_param(const uint8_t *params, int f32, int64_t i) {
-    return f32 ? ((const float *)params)[i] : (float)((const _Float16 *)params)[i];
+static inline float q4_param(const uint8_t *params, int kind, int64_t i) {
+    if (kind == Q4_PARAMS_F32) return ((const float *)params)[i];
+    if (kind == Q4_PARAMS_K) return (float)((const int8_t *)params)[i];
+    return (float)((const _Float16 *)params)[i];
 }
 
 /* portable: the same integer arithmetic, one product at a time */
 static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
-                    const q4_activations *x, int64_t row0, int64_t rows, int64_t groups, float *out) {
-    const int P = x->planes, hb = w->high_bits, f32 = w->params_f32, layout = w->layout;
+                    const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
+                    float *out) {
+    const int P = x->planes, hb = w->high_bits, kind = w->params_kind, layout = w->layout;
     const int S = layout == Q4_SCALE_OFFSET ? 1 : 2;
     for (int64_t i = 0; i < rows; i++)
         for (int r = 0; r < Q4_ROWS; r++) {
@@ -378,8 +417,12 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
                             dot[j / 4] += code * q[p * 32 + 4 * j + k];
                         }
                 }
-                const float first = q4_param(params, f32, g * S * Q4_ROWS + r);
-                const float second = S == 2 ? q4_param(params, f32, (g * S + 1) * Q4_ROWS + r) : first;
+                float first = q4_param(params, kind, g * S * Q4_ROWS + r);
+                float second = S == 2 ? q4_param(params, kind, (g * S + 1) * Q4_ROWS + r) : first;
+                if (kind == Q4_PARAMS_K) {
+                    first *= (float)super[(g / 8) * 2 * Q4_ROWS + r];
+                    second *= (float)super[(g / 8) * 2 * Q4_ROWS + Q4_ROWS + r];
+                }
                 const float xs = x->scale[at];
                 if (layout == Q4_SCALE16_OFFSET) {
                     total += first * xs * (float)dot[0] + second * xs * (float)dot[1]
@@ -413,18 +456,19 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
         const int64_t c1 = c0 + ROW_CHUNK < job->M ? c0 + ROW_CHUNK : job->M;
         int64_t base = 0; /* the chain's first block of weight w */
         for (const rb_q4_weight *w = job->w; w; base += w->out / Q4_ROWS, w = w->next) {
-            const int64_t stride = (w->layout == Q4_SCALE_OFFSET ? 1 : 2) * Q4_ROWS * (w->params_f32 ? 4 : 2);
+            const int64_t stride = q4_param_stride(w);
             const int64_t lo = first > base ? first : base, end = base + w->out / Q4_ROWS;
             for (int64_t block = lo; block < (last < end ? last : end); block++) {
                 const int64_t b = block - base;
                 const uint8_t *codes = w->codes + b * groups * 4 * Q4_ROWS * 4;
                 const uint8_t *high = w->high ? w->high + b * groups * w->high_bits * 64 : NULL;
                 const uint8_t *params = (const uint8_t *)w->params + b * groups * stride;
+                const _Float16 *super = w->super ? w->super + b * (groups / 8) * 2 * Q4_ROWS : NULL;
                 const float *bias = w->bias ? w->bias + b * Q4_ROWS : NULL;
                 for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
                     const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
                     float out[TILE * Q4_ROWS];
-                    q4_rows(w, codes, high, params, job->x, m0, rows, groups, out);
+                    q4_rows(w, codes, high, params, super, job->x, m0, rows, groups, out);
                     for (int64_t i = 0; i < rows; i++) {
                         float *ym = job->y + (m0 + i) * width + block * Q4_ROWS;
                         for (int r = 0; r < Q4_ROWS; r++) ym[r] = out[i * Q4_ROWS + r] + (bias ? bias[r] : 0.f);

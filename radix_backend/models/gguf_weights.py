@@ -41,7 +41,7 @@ def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCaus
         mlp.down_proj = quant.GGUFLinear([raw(f"{p}mlp.down_proj.weight")])
     model.embed_tokens = quant.GGUFEmbedding(raw("embed_tokens.weight"))
     head = "embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
-    model.lm_head_quant = quant.GGUFLinear([raw(head)])
+    model.lm_head_quant = quant.GGUFLinear([raw(head)], fixed_activation_bits=quant.HEAD_ACTIVATION_BITS)
     if not model.tie_word_embeddings:
         del model.lm_head
     _materialize(model)
