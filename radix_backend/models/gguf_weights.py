@@ -8,6 +8,8 @@ copy of a weight matrix is ever made.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections import Counter
 
 import torch
@@ -52,7 +54,30 @@ def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCaus
         raise ValueError(f"GGUF tensors the model does not use: {left[:6]}")
     model.cos_sin_cache = rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
                                              config.max_position_embeddings)
+    release_load_memory(tensors)
     return model.eval()
+
+
+def release_load_memory(tensors: dict[str, ggml.RawTensor]) -> None:
+    """Give back what loading left resident: the file's pages, read once for packing (the mapping
+    stays; the embedding's rows fault back in as they are looked up), and the heap the packing
+    temporaries grew (glibc keeps freed memory otherwise)."""
+    mapped = {id(base): base for t in tensors.values() if (base := _mapping(t.data)) is not None}
+    for mm in mapped.values():
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (AttributeError, OSError, ValueError):  # no madvise here: the pages stay cached
+            pass
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _mapping(array) -> mmap.mmap | None:
+    while array is not None and not isinstance(getattr(array, "_mmap", None), mmap.mmap):
+        array = getattr(array, "base", None)
+    return None if array is None else array._mmap
 
 
 def _materialize(model: nn.Module) -> None:
