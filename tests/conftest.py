@@ -48,10 +48,19 @@ def _test_environment() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def smollm2_checkpoint() -> Checkpoint:
-    """The embedded SmolLM2-135M-Instruct (dequantized once into the user cache, then reused)."""
+    """The embedded SmolLM2-135M-Instruct (its GGUF, read in place)."""
     from radix_backend.loader import resolve_checkpoint  # lazily: a broken package fails only its users
 
     return resolve_checkpoint(None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_checkpoint: Checkpoint) -> str:
+    """The embedded model as an fp32 HF checkpoint dir (written once into the user cache), for
+    loading it with transformers as the reference."""
+    from radix_backend.loader import hf_directory
+
+    return str(hf_directory(smollm2_checkpoint))
 
 
 @pytest.fixture(scope="session")

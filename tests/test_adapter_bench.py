@@ -16,10 +16,11 @@ def test_adapters_bench_small() -> None:
     from transformers import AutoModelForCausalLM
 
     from radix_backend.bench import adapters_bench as ab
+    from radix_backend.loader import hf_directory
     from radix_backend.engine import get_engine
 
     engine: Any = get_engine()
-    hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_directory(engine.checkpoint)), dtype=torch.float32).eval()
     baseline = ab.hf_chat_model(hf, engine.tokenizer, max_new_tokens=4)
     batch = ab.bench_langchain_batch(engine, baseline, num_questions=4, prefix_tokens=200, max_new_tokens=4)
     assert batch["calls"] == 4 and batch["agreement"] == "4/4"

@@ -21,6 +21,7 @@ from radix_backend.adapters._testing import TransformersLogitsEngine  # noqa: E4
 from radix_backend.bench.baselines import guidance_transformers_baseline  # noqa: E402
 from radix_backend.adapters.guidance import RadixGuidance, RadixGuidanceEngine  # noqa: E402
 from radix_backend.errors import InvalidRequestError, MissingDependencyError  # noqa: E402
+from radix_backend.loader import hf_directory  # noqa: E402
 
 SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
                 "required": ["ok", "color"], "additionalProperties": False}
@@ -156,7 +157,7 @@ def test_real_programs_are_valid_and_share_the_cache(engine: Any) -> None:
 def test_real_results_match_guidance_transformers_backend(engine: Any) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_directory(engine.checkpoint)), dtype=torch.float32).eval()
     theirs = guidance_transformers_baseline(hf, engine.tokenizer)
     ours = RadixGuidance(engine=engine)
     a, b = program(ours), program(theirs)

@@ -43,7 +43,7 @@ def test_a_missing_peer_is_skipped_with_its_install_command(tmp_path, capsys):
 def test_plan_holds_the_same_token_ids_for_every_system(smollm2_checkpoint):
     from radix_backend.loader import embedded_gguf_path
 
-    plan = peers.build_plan(embedded_gguf_path(), quick=True, decode_tokens=16)
+    plan = peers.build_plan(embedded_gguf_path(), quick=True, decode_tokens=16, hf_dir=False)
     assert [w["name"] for w in plan["workloads"]] == ["few-shot", "multi-turn", "branching"]
     for workload in plan["workloads"]:
         assert all(isinstance(t, int) for wave in workload["waves"] for ids in wave for t in ids)
@@ -53,7 +53,7 @@ def test_plan_holds_the_same_token_ids_for_every_system(smollm2_checkpoint):
     assert len(plan["prefill"]["prompt"]) == peers.PREFILL_TOKENS
     assert len(plan["decode"]["prompts"]) == max(peers.DECODE_BATCHES)
     assert len({tuple(p) for p in plan["decode"]["prompts"]}) == len(plan["decode"]["prompts"])
-    assert Path(plan["model_dir"]) == smollm2_checkpoint.path
+    assert plan["model_gguf"] == str(smollm2_checkpoint.path) and plan["model_dir"] is None  # no vLLM: no HF copy
 
 
 def test_radix_driver_runs_a_plan_in_its_own_process(tmp_path, tiny_llama_dir, smollm2_tokenizer):

@@ -23,11 +23,11 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def hf_logits(smollm2_checkpoint, smollm2_tokenizer) -> dict[str, torch.Tensor]:
+def hf_logits(smollm2_hf_dir, smollm2_tokenizer) -> dict[str, torch.Tensor]:
     ids = torch.tensor([smollm2_tokenizer.encode(PROMPT)])
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        model = AutoModelForCausalLM.from_pretrained(str(smollm2_checkpoint.path), dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=dtype).eval()
         with torch.no_grad():
             out[name] = model(ids).logits[0, -1].float()
     return out

@@ -18,8 +18,8 @@ N_NEW = 20
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_checkpoint):
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_checkpoint.path), dtype=torch.float32).eval()
+def hf_model(smollm2_hf_dir):
+    return AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

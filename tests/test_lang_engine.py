@@ -34,10 +34,10 @@ def backend(engine):
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_checkpoint):
+def hf_model(smollm2_hf_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_checkpoint.path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
 
 
 @sgl.function

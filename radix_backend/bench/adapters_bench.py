@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..loader import hf_directory
 from . import workloads as wl
 
 USER_TURNS = ["Hi! Can you suggest a name for a small bakery?", "Why did you pick that name?",
@@ -184,7 +185,7 @@ def run(model: str | None = None, *, quick: bool = False, engine: Any = None, qu
     from ..engine import Engine
 
     engine = engine or Engine(model, quantization=quantization)
-    hf_model = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_directory(engine.checkpoint)), dtype=torch.float32).eval()
     max_new = 8 if quick else 16
     baseline = hf_chat_model(hf_model, engine.tokenizer, max_new)
     results: dict[str, Any] = {}

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
+from ..loader import hf_directory
 from ..sampling_params import SamplingParams
 from . import workloads as wl
 
@@ -201,7 +202,7 @@ def run(names: list[str], model: str | None = None, quick: bool = False, kv_cach
                 printer(format_floor(floor, dec))
                 continue
             if hf is None:
-                hf = AutoModelForCausalLM.from_pretrained(engine.model_path, dtype=torch.float32).eval()
+                hf = AutoModelForCausalLM.from_pretrained(str(hf_directory(engine.checkpoint)), dtype=torch.float32).eval()
             results[name] = compare(engine, hf, name, quick)
             printer(format_comparison(results[name]))
     return results

@@ -31,6 +31,7 @@ import torch
 import radix_backend.lang as sgl
 from radix_backend.lang import BaseBackend
 
+from ..loader import hf_directory
 from ..outputs import ChoiceScore, GenerateOutput, RequestMeta
 from ..sampling_params import SamplingParams
 
@@ -214,7 +215,7 @@ def run(model: str | None = None, *, engine: Any = None, workloads: tuple[str, .
         programs = _programs()
         naive_backend = None
         if naive:
-            naive_backend = NaiveHFBackend(str(engine.checkpoint.path), engine.tokenizer, sorted(engine.eos_token_ids),
+            naive_backend = NaiveHFBackend(str(hf_directory(engine.checkpoint)), engine.tokenizer, sorted(engine.eos_token_ids),
                                            backend.get_chat_template())
         # warm-up: weights, grammar compile caches (not timed)
         programs["json"].run(**_workload_args("json", 1, num_branches)[0], temperature=0, backend=backend)

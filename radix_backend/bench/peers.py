@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..loader import embedded_gguf_path, load_tokenizer, resolve_checkpoint
+from ..loader import embedded_gguf_path, hf_directory, load_tokenizer, resolve_checkpoint
 from . import workloads as wl
 from .core_bench import WORKLOADS, build_workload
 
@@ -57,8 +57,9 @@ class PromptTokenizer:
         return self.encode(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
-def build_plan(gguf: Path, quick: bool, decode_tokens: int, repeats: int = 2) -> dict[str, Any]:
-    """The prompt file: every system gets exactly these token ids."""
+def build_plan(gguf: Path, quick: bool, decode_tokens: int, repeats: int = 2, hf_dir: bool = True) -> dict[str, Any]:
+    """The prompt file: every system gets exactly these token ids. `hf_dir`: also write the fp32
+    HF copy of the model that vLLM loads (once per file, in the user cache)."""
     checkpoint = resolve_checkpoint(gguf)
     tok = PromptTokenizer(checkpoint)
     workloads = []
@@ -71,7 +72,8 @@ def build_plan(gguf: Path, quick: bool, decode_tokens: int, repeats: int = 2) ->
                       for i, q in enumerate((wl.QUESTIONS * 2)[:max(DECODE_BATCHES)])]
     eos = checkpoint.config.eos_token_id
     return {
-        "model_gguf": str(gguf), "model_dir": str(checkpoint.path), "context_tokens": 4096,
+        "model_gguf": str(gguf), "model_dir": str(hf_directory(checkpoint)) if hf_dir else None,
+        "context_tokens": 4096,
         "eos_token_ids": eos if isinstance(eos, list) else [eos],
         "workloads": workloads, "repeats": 1 if quick else repeats,
         "prefill": {"prompt": tok.encode(long_text)[:PREFILL_TOKENS]},
@@ -195,7 +197,7 @@ def plot(results: dict[str, dict], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radix-backend bench peers", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2 GGUF)")
+    parser.add_argument("--model", "--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2 GGUF)")
     parser.add_argument("--systems", default="radix,vllm,llamacpp", help="comma list of radix, vllm, llamacpp")
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run, not a measurement)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode measures")
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model must be a .gguf file: llama.cpp loads it as is, vLLM its converted HF copy")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    plan = build_plan(gguf, args.quick, args.decode_tokens, args.repeats)
+    plan = build_plan(gguf, args.quick, args.decode_tokens, args.repeats, hf_dir="vllm" in systems)
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
     results = {}
