@@ -1,0 +1,219 @@
+"""Make GGUF model files for tests: tiny random Llama/Qwen2/Qwen3 models, or the embedded SmolLM2
+re-quantized, in any of the supported tensor types.
+
+gguf's own numpy quantizers cover Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the float types; the K-quants
+(Q4_K, Q5_K, Q6_K) get simple round-to-nearest quantizers here that write ggml's block layouts
+(checked against gguf's dequantizer in the tests). The tokenizer is a cut-down SmolLM2 one (its
+first 1024 tokens) unless the vocabulary is SmolLM2's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+QK = 256
+
+
+def _f16(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def _k_scale_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and minimums per block -> ggml's 12 packed bytes (get_scale_min_k4's inverse)."""
+    out = np.zeros((*sc.shape[:-1], 12), dtype=np.uint8)
+    for j in range(4):
+        out[..., j] = (sc[..., j] & 63) | ((sc[..., j + 4] >> 4) << 6)
+        out[..., j + 4] = (mn[..., j] & 63) | ((mn[..., j + 4] >> 4) << 6)
+        out[..., 8 + j] = (sc[..., j + 4] & 15) | ((mn[..., j + 4] & 15) << 4)
+    return out
+
+
+def quantize_k_minmax(w: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K (bits=4) or Q5_K (bits=5) blocks of w [N, K], K % 256 == 0."""
+    n = w.shape[0]
+    sub = w.reshape(n, -1, 8, 32).astype(np.float32)
+    top = (1 << bits) - 1
+    lo = np.minimum(sub.min(-1), 0)
+    scale = (sub.max(-1) - lo) / top
+    offset = -lo
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (offset.max(-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(offset / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63).astype(np.uint8)
+    step = d[..., None] * sc
+    q = np.round((sub + (dmin[..., None] * mn)[..., None]) / np.where(step > 0, step, 1)[..., None])
+    q = np.clip(q, 0, top).astype(np.uint8).reshape(n, -1, 4, 2, 32)  # chunks of 64: two halves of 32
+    qs = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).reshape(n, -1, 128)
+    parts = [_f16(d), _f16(dmin), _k_scale_bytes(sc, mn)]
+    if bits == 5:
+        upper = (q.reshape(n, -1, 8, 32) >> 4) & 1  # bit j of byte i: element 32j + i
+        qh = np.zeros((n, q.shape[1], 32), dtype=np.uint8)
+        for j in range(8):
+            qh |= (upper[:, :, j] << j).astype(np.uint8)
+        parts.append(qh)
+    parts.append(qs)
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of w [N, K], K % 256 == 0."""
+    n = w.shape[0]
+    sub = w.reshape(n, -1, 16, 16).astype(np.float32)
+    scale = np.abs(sub).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), -127, 127).astype(np.int8)
+    step = d[..., None] * sc
+    q = np.clip(np.round(sub / np.where(step != 0, step, 1)[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(n, -1, 2, 128)
+    ql = ((q[..., :64] & 15) | ((q[..., 64:] & 15) << 4)).reshape(n, -1, 128)
+    upper = (q >> 4).reshape(n, -1, 2, 4, 32)
+    qh = np.zeros((n, q.shape[1], 2, 32), dtype=np.uint8)
+    for s in range(4):
+        qh |= (upper[..., s, :] << (2 * s)).astype(np.uint8)
+    return np.concatenate([ql, qh.reshape(n, -1, 64), sc.view(np.uint8), _f16(d)], axis=-1).reshape(n, -1)
+
+
+def quantize(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object]:
+    """(data, raw_dtype) for GGUFWriter.add_tensor."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    if type_name == "F32":
+        return w.astype(np.float32), None
+    if type_name == "F16":
+        return w.astype(np.float16), None
+    if type_name in ("Q4_K", "Q5_K"):
+        return quantize_k_minmax(w, 4 if type_name == "Q4_K" else 5), kind
+    if type_name == "Q6_K":
+        return quantize_q6_k(w), kind
+    return gguf.quants.quantize(w.astype(np.float32), kind), kind
+
+
+@dataclass
+class ModelSpec:
+    arch: str = "llama"
+    hidden: int = 256
+    ff: int = 512
+    heads: int = 4
+    kv_heads: int = 2
+    layers: int = 2
+    vocab: int = 1024
+    tied: bool = False
+    bias: bool = False  # q/k/v biases (qwen2 has them)
+    qk_norm: bool = False  # qwen3
+    types: dict[str, str] = field(default_factory=dict)  # tensor suffix ("attn_q") -> type; default "Q8_0"
+    metadata: dict[str, object] = field(default_factory=dict)  # extra "<arch>.<key>" values
+    rope_freqs: np.ndarray | None = None
+
+
+def _copy_tokenizer(writer, vocab: int) -> None:
+    """The embedded SmolLM2 tokenizer (cut to its first `vocab` tokens) with its chat template."""
+    import gguf
+
+    from radix_backend.loader import embedded_gguf_path
+
+    reader = gguf.GGUFReader(str(embedded_gguf_path()))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:vocab]
+    kept = set(tokens)
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    subsets = {"tokenizer.ggml.tokens": tokens,
+               "tokenizer.ggml.token_type": reader.fields["tokenizer.ggml.token_type"].contents()[:vocab],
+               "tokenizer.ggml.merges": merges if vocab >= len(reader.fields["tokenizer.ggml.tokens"].contents()) else
+               [m for m in merges if m.replace(" ", "", 1) in kept and set(m.split(" ", 1)) <= kept]}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, subsets.get(key, f.contents()), f.types[0], f.types[1] if len(f.types) > 1 else None)
+
+
+def write_model(path: Path, spec: ModelSpec, seed: int = 0) -> Path:
+    """A random model of `spec` as a GGUF file (weights ~ N(0, 0.05), norms ~ 1)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), spec.arch)
+    _copy_tokenizer(writer, spec.vocab)
+    head_dim = spec.hidden // spec.heads
+    writer.add_block_count(spec.layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(spec.hidden)
+    writer.add_feed_forward_length(spec.ff)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)  # as llama.cpp's converter writes it (transformers needs it for qwen3)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(spec.vocab)
+    for key, value in spec.metadata.items():
+        if isinstance(value, str):
+            writer.add_string(f"{spec.arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{spec.arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{spec.arch}.{key}", int(value))
+
+    def matrix(name: str, rows: int, cols: int, suffix: str) -> None:
+        data, raw = quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), spec.types.get(suffix, "Q8_0"))
+        writer.add_tensor(name, data, raw_dtype=raw)
+
+    def vector(name: str, size: int, center: float = 1.0) -> None:
+        writer.add_tensor(name, (center + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    matrix("token_embd.weight", spec.vocab, spec.hidden, "token_embd")
+    vector("output_norm.weight", spec.hidden)
+    if not spec.tied:
+        matrix("output.weight", spec.vocab, spec.hidden, "output")
+    if spec.rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", spec.rope_freqs.astype(np.float32))
+    kv = spec.kv_heads * head_dim
+    for i in range(spec.layers):
+        vector(f"blk.{i}.attn_norm.weight", spec.hidden)
+        vector(f"blk.{i}.ffn_norm.weight", spec.hidden)
+        for part, rows in (("attn_q", spec.hidden), ("attn_k", kv), ("attn_v", kv)):
+            matrix(f"blk.{i}.{part}.weight", rows, spec.hidden, part)
+            if spec.bias:
+                vector(f"blk.{i}.{part}.bias", rows, center=0.0)
+        if spec.qk_norm:
+            vector(f"blk.{i}.attn_q_norm.weight", head_dim)
+            vector(f"blk.{i}.attn_k_norm.weight", head_dim)
+        matrix(f"blk.{i}.attn_output.weight", spec.hidden, spec.hidden, "attn_output")
+        matrix(f"blk.{i}.ffn_gate.weight", spec.ff, spec.hidden, "ffn_gate")
+        matrix(f"blk.{i}.ffn_up.weight", spec.ff, spec.hidden, "ffn_up")
+        matrix(f"blk.{i}.ffn_down.weight", spec.hidden, spec.ff, "ffn_down")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def requantize_smollm2(path: Path, types: dict[str, str]) -> Path:
+    """The embedded SmolLM2 with its weights re-quantized: `types` maps a tensor-name part
+    ("ffn_down", "attn_v", "token_embd", ...) to a type; other matrices keep Q8_0."""
+    import gguf
+
+    from radix_backend.loader import embedded_gguf_path
+
+    reader = gguf.GGUFReader(str(embedded_gguf_path()))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    skip = ("GGUF.", "general.architecture", "general.alignment")
+    for key, f in reader.fields.items():
+        if not key.startswith(skip):
+            writer.add_key_value(key, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        if len(t.shape) == 1:
+            writer.add_tensor(t.name, values.astype(np.float32))
+            continue
+        part = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
+        data, raw = quantize(values, types.get(part, "Q8_0"))
+        writer.add_tensor(t.name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
