@@ -135,18 +135,11 @@ def pack(weights: GroupCodes, bias: torch.Tensor | None = None) -> PackedQ4:
     if weights.high_bits not in (0, 1, 2):
         raise ValueError(f"codes of 4, 5 or 6 bits only; got high_bits={weights.high_bits}")
     groups = k // GROUP_SIZE
-    codes = weights.codes.to(torch.uint8)
-    quads = codes.view(n // Q4_ROWS, Q4_ROWS, groups, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # b, g, half, j, row, k
-    packed = ((quads[:, :, 0] & 15) | ((quads[:, :, 1] & 15) << 4)).contiguous()
-    high = None
-    if weights.high_bits:
-        hb = weights.high_bits
-        upper = (quads >> 4).reshape(n // Q4_ROWS, groups, 8, Q4_ROWS * 4).to(torch.int32)  # b, g, quad, (row, k)
-        planes = torch.zeros(n // Q4_ROWS, groups, hb, Q4_ROWS * 4, dtype=torch.int32)
-        for j in range(8):
-            bit = j * hb
-            planes[:, :, bit // 8] |= upper[:, :, j] << (bit % 8)
-        high = planes.to(torch.uint8).contiguous()
+    codes = weights.codes.to(torch.uint8).contiguous()
+    packed = torch.empty(n // Q4_ROWS, groups, 4, Q4_ROWS, 4, dtype=torch.uint8)
+    high = torch.zeros(n // Q4_ROWS, groups, weights.high_bits, Q4_ROWS * 4, dtype=torch.uint8) if weights.high_bits else None
+    native.library().rb_q4_pack_codes(codes.data_ptr(), n, k, weights.high_bits, packed.data_ptr(),
+                                      None if high is None else high.data_ptr())
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
         return t.view(n // Q4_ROWS, Q4_ROWS, groups).permute(0, 2, 1)

@@ -16,6 +16,7 @@ EXTERNAL_BENCHES = {  # bench name -> module with main(argv)
     "gpu-check": "radix_backend.bench.gpu_check",
     "peers": "radix_backend.bench.peers",
     "restart": "radix_backend.bench.restart_bench",
+    "gguf-agreement": "radix_backend.bench.gguf_agreement",
 }
 CORE_BENCHES = ("few-shot", "multi-turn", "branching", "floor")
 
