@@ -69,16 +69,38 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tenso
     """[max_positions, head_dim] = cos half then sin half, with HF's rope scaling applied, and a
     GGUF's per-frequency factors (`rope_freq_factors`, Llama 3's rope_freqs.weight: each
     frequency divided by its factor, as llama.cpp does)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    simple = _default_or_linear_rope(config)
+    if simple is not None:  # HF's formula, without importing its modeling code (~1 s of start-up)
+        theta, factor = simple
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)) / factor
+        attention_scaling = 1.0
+    else:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rope = LlamaRotaryEmbedding(config=config)
-    if rope.inv_freq.numel() * 2 != head_dim:
-        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {rope.inv_freq.numel() * 2}, head_dim {head_dim})")
-    inv_freq = rope.inv_freq
+        rope = LlamaRotaryEmbedding(config=config)
+        inv_freq, attention_scaling = rope.inv_freq, float(rope.attention_scaling)
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {inv_freq.numel() * 2}, head_dim {head_dim})")
     factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:
         inv_freq = inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
-    return ops.build_cos_sin_cache(inv_freq, max_positions, float(rope.attention_scaling))
+    return ops.build_cos_sin_cache(inv_freq, max_positions, attention_scaling)
+
+
+def _default_or_linear_rope(config) -> tuple[float, float] | None:
+    """(theta, linear factor) when the config's RoPE is HF's "default" or "linear" kind over the
+    whole head (transformers' `rope_parameters`), else None (other kinds use HF's own code)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        return None
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        return None
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return float(params["rope_theta"]), 1.0
+    if kind == "linear" and "factor" in params:
+        return float(params["rope_theta"]), float(params["factor"])
+    return None
 
 
 class RMSNorm(nn.Module):
