@@ -7,6 +7,7 @@ Run in the llama.cpp venv: `python run_llamacpp.py PLAN.json RESULT.json`.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from driver_protocol import CallResult, main, measure
 
@@ -37,7 +38,7 @@ def run(plan: dict) -> dict:
     reset_cache()
     result = measure(plan, run_wave, reset_cache, "llama.cpp", batched_decode=False)
     import llama_cpp
-    result["version"] = f"llama-cpp-python {llama_cpp.__version__} (Q4_1 GGUF, RAM prompt cache)"
+    result["version"] = f"llama-cpp-python {llama_cpp.__version__} ({Path(plan['model_gguf']).name}, RAM prompt cache)"
     return result
 
 
