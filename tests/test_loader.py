@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_files import ModelSpec, write_model
 from radix_backend import loader
 from radix_backend.errors import ModelLoadError
 from radix_backend.loader import (Checkpoint, embedded_gguf_path, gguf_cache_path, hf_directory, iter_weights,
@@ -30,61 +31,9 @@ TINY = dict(hidden=64, ff=128, heads=4, kv_heads=2, layers=2, vocab=1024)
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     """A 2-layer Llama GGUF with Q8_0 weights and a cut-down SmolLM2 tokenizer (its first 1024 tokens:
     specials, all 256 byte tokens, early merges) plus its chat template, so converting takes seconds."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(embedded_gguf_path()))
-    writer = gguf.GGUFWriter(str(path), "llama")
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[: TINY["vocab"]]
-    kept = set(tokens)
-    subsets = {
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": reader.fields["tokenizer.ggml.token_type"].contents()[: TINY["vocab"]],
-        "tokenizer.ggml.merges": [m for m in reader.fields["tokenizer.ggml.merges"].contents()
-                                  if m.replace(" ", "", 1) in kept and set(m.split(" ", 1)) <= kept],
-    }
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            writer.add_key_value(key, subsets.get(key, field.contents()), field.types[0],
-                                 field.types[1] if len(field.types) > 1 else None)
-    hidden, ff, heads, kv_heads = TINY["hidden"], TINY["ff"], TINY["heads"], TINY["kv_heads"]
-    head_dim = hidden // heads
-    writer.add_block_count(TINY["layers"])
-    writer.add_context_length(2048)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ff)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_vocab_size(TINY["vocab"])
-    rng = np.random.default_rng(seed)
-    q8 = gguf.GGMLQuantizationType.Q8_0
-
-    def quantized(name: str, shape: tuple[int, int]) -> None:
-        weight = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-        writer.add_tensor(name, gguf.quants.quantize(weight, q8), raw_dtype=q8)
-
-    def norm(name: str) -> None:
-        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-
-    quantized("token_embd.weight", (TINY["vocab"], hidden))
-    norm("output_norm.weight")
-    for i in range(TINY["layers"]):
-        norm(f"blk.{i}.attn_norm.weight")
-        norm(f"blk.{i}.ffn_norm.weight")
-        quantized(f"blk.{i}.attn_q.weight", (hidden, hidden))
-        quantized(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden))
-        quantized(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden))
-        quantized(f"blk.{i}.attn_output.weight", (hidden, hidden))
-        quantized(f"blk.{i}.ffn_gate.weight", (ff, hidden))
-        quantized(f"blk.{i}.ffn_up.weight", (ff, hidden))
-        quantized(f"blk.{i}.ffn_down.weight", (hidden, ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_model(path, ModelSpec(hidden=TINY["hidden"], ff=TINY["ff"], heads=TINY["heads"],
+                                       kv_heads=TINY["kv_heads"], layers=TINY["layers"], vocab=TINY["vocab"],
+                                       tied=True), seed=seed)
 
 
 def dequantized(gguf_path: Path, *names: str) -> dict[str, torch.Tensor]:
