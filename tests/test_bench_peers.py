@@ -38,6 +38,8 @@ def test_a_missing_peer_is_skipped_with_its_install_command(tmp_path, capsys):
     plan.write_text("{}")
     assert peers.run_peer(peers.PEERS["llamacpp"], plan, tmp_path, tmp_path / "no-peers", 60) is None
     assert "bash scripts/setup_peer_llamacpp.sh" in capsys.readouterr().out
+    assert peers.run_peer(peers.PEERS["llamaserver"], plan, tmp_path, tmp_path / "no-peers", 60) is None
+    assert "--llama-server PATH" in capsys.readouterr().out  # llama.cpp's server needs its binary named
 
 
 def test_plan_holds_the_same_token_ids_for_every_system(smollm2_checkpoint):
