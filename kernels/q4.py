@@ -4,9 +4,11 @@ One layout serves GGUF's 4-, 5- and 6-bit types: per group of 32 input features 
 `scale * code + minimum` (Q4_1, Q5_1, Q4_K, Q5_K) or `scale * (code - offset)` (Q4_0, Q5_0; Q6_K
 with a scale per 16 features). Codes keep their low 4 bits as nibbles in blocks of 16 output rows
 (one int32 lane each in a 512-bit vector) and, for 5- and 6-bit codes, their upper bits in 1 or 2
-bit planes; scales and minimums are fp16 where the file stores them so (exact) and fp32 for the
-K-quants, whose group scale is d * a 6-bit sub-scale (exact in fp32 only). `kernels/ggml.py` turns
-a GGUF tensor's blocks into `GroupCodes`; `pack` puts them in this layout.
+bit planes. Scales and minimums stay as the file stores them: fp16 per block of 32 (Q4_0 .. Q5_1),
+or for the K-quants the int8 sub-block scales (and minimums) with one fp16 factor pair per
+super-block of 256, multiplied in the kernel (the products are exact in fp32, as gguf computes
+them); fp32 parameters serve anything else. `kernels/ggml.py` turns a GGUF tensor's blocks into
+`GroupCodes`; `pack` puts them in this layout.
 
 Weights that share an input (q, k and v of mixed types) can be chained (`chain`): one call, their
 outputs side by side.
@@ -56,7 +58,7 @@ class GroupCodes:
     layout: int
     high_bits: int = 0
     offset: float = 0.0
-    params_f32: bool = False  # else fp16 holds the parameters exactly
+    params_f32: bool = False  # without `factors`: fp32 parameters (else fp16 holds them exactly)
     # K-quants, as stored: first = sub_first * factors[..., 0], second = sub_second * factors[..., 1]
     sub_first: torch.Tensor | None = None  # [N, K / 32] int8
     sub_second: torch.Tensor | None = None  # [N, K / 32] int8
@@ -78,8 +80,8 @@ class GroupCodes:
 class PackedQ4:
     """[N, K] weights in the kernel's layout (csrc/q4.h): codes [N/16, K/32, 4, 16, 4] uint8 (low
     nibble: feature 4j+k of quad j, high nibble: feature 16+4j+k), high [N/16, K/32, high_bits, 64]
-    uint8 or None, params [N/16, K/32, S, 16] fp16 or fp32. `next`: a chained weight of the same
-    input whose outputs follow this one's."""
+    uint8 or None, params [N/16, K/32, S, 16] fp16, fp32 or (K-quants, with `super`) int8. `next`:
+    a chained weight of the same input whose outputs follow this one's."""
 
     codes: torch.Tensor
     params: torch.Tensor
