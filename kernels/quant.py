@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -239,60 +238,23 @@ class Int8Linear(_LowBitLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 {layout}"
 
 
-def _best_time(fn, repeats: int = 5, inner: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 @functools.lru_cache(maxsize=1)
-def dense_dtype_for_large_batches(rows: int = 64, out_features: int = 1536, in_features: int = 576) -> torch.dtype:
-    """bf16 where this CPU's bf16 GEMM clearly beats fp32 (native bf16: AVX512-BF16 or AMX), else
-    fp32 (on AVX2-only CPUs bf16 GEMM is emulated and ~40x slower). Timed once, a few ms."""
-    weight, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
-    wb, xb = weight.bfloat16(), x.bfloat16()
-    # median of alternating rounds, as in int4_kernel_speedup: load from another process slows
-    # whichever runs during it, and a wrong fp32 choice would cost 2-3x on every prefill
-    ratios = sorted(_best_time(lambda: F.linear(x, weight), repeats=2) / _best_time(lambda: F.linear(xb, wb), repeats=2)
-                    for _ in range(5))
-    return torch.bfloat16 if ratios[len(ratios) // 2] > 1.5 else torch.float32
+def dense_dtype_for_large_batches() -> torch.dtype:
+    """bf16 where the CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16 in its flags), else
+    fp32 (elsewhere torch's bf16 GEMM is emulated, ~40x slower). Read from the CPU's features,
+    never timed: a busy machine must not change the precision."""
+    return torch.bfloat16 if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
 
 
-@functools.lru_cache(maxsize=1)
-def int4_kernel_speedup(layers: int = 10, rows: int = 3072, cols: int = 576) -> float:
-    """How much faster the int4 kernel runs batch-1 matmuls than fp32 on this CPU, over more fp32
-    weight bytes than a CPU cache holds, as in a real decode step (timed once, ~0.1 s). Capability
-    flags alone mislead: the choice is measured on the machine that runs it. 0.0 if the kernel is
-    missing."""
+def _cpu_flags() -> set[str]:
     try:
-        weights = [torch.randn(rows, cols) for _ in range(layers)]
-        groups = (rows, cols // GROUP_SIZE)
-        codes = Int4Codes(torch.randint(0, 16, (rows, cols), dtype=torch.int32), torch.rand(groups).half().float(),
-                          -torch.rand(groups).half().float(), exact=True)  # fp16 scales, as GGUF's
-        quantized = [Int4Linear(codes) for _ in range(layers)]
-        x = torch.randn(1, cols)
-        quantized[0](x)
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return 0.0
-
-    def dense() -> None:
-        for w in weights:
-            F.linear(x, w)
-
-    def low_bit() -> None:
-        for layer in quantized:
-            layer(x)
-
-    # rounds alternate the two and the median ratio counts, so that a burst of load from another
-    # process (which slows whichever runs during it) cannot flip the choice
-    ratios = sorted(_best_time(dense, repeats=1, inner=3) / _best_time(low_bit, repeats=1, inner=3)
-                    for _ in range(5))
-    return ratios[len(ratios) // 2]
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 class GGUFLinear(nn.Module):

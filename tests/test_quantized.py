@@ -179,3 +179,13 @@ def test_small_steps_off_the_main_thread_run_single_threaded_and_restore(tiny_ll
         assert threading.main_thread() is threading.current_thread()
     if before > 1:
         assert seen[0] == before and set(seen[1:]) == {1}  # prefill of 10 tokens: all threads; decode: one
+
+
+def test_the_dense_dtype_follows_the_cpu_features_not_a_timing(monkeypatch):
+    """bf16 only where the CPU computes it natively; no probe, so a busy machine cannot flip it."""
+    for flags, want in (({"avx2", "avx512_bf16"}, torch.bfloat16), ({"avx2", "amx_bf16"}, torch.bfloat16),
+                        ({"avx2", "avx512f"}, torch.float32), (set(), torch.float32)):
+        monkeypatch.setattr(quant, "_cpu_flags", lambda flags=flags: flags)
+        quant.dense_dtype_for_large_batches.cache_clear()
+        assert quant.dense_dtype_for_large_batches() == want
+    quant.dense_dtype_for_large_batches.cache_clear()
