@@ -52,10 +52,14 @@ static inline int64_t q4_chain_out(const rb_q4_weight *w) {
     return out;
 }
 
+/* bytes of one parameter */
+static inline int64_t q4_param_bytes(const rb_q4_weight *w) {
+    return w->params_kind == Q4_PARAMS_F32 ? 4 : (w->params_kind == Q4_PARAMS_K ? 1 : 2);
+}
+
 /* bytes of one group's parameters for 16 rows */
 static inline int64_t q4_param_stride(const rb_q4_weight *w) {
-    const int64_t bytes = w->params_kind == Q4_PARAMS_F32 ? 4 : (w->params_kind == Q4_PARAMS_K ? 1 : 2);
-    return (w->layout == Q4_SCALE_OFFSET ? 1 : 2) * Q4_ROWS * bytes;
+    return (w->layout == Q4_SCALE_OFFSET ? 1 : 2) * Q4_ROWS * q4_param_bytes(w);
 }
 
 /* Activations as integers per group of 32, scaled so the group's largest magnitude is the
