@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .q4 import GROUP_SIZE, PackedQ4, Q4WeightStruct, can_pack, pack_q4, q4_matmul  # noqa: F401  (re-exported)
+from .q4 import PackedQ4, Q4WeightStruct
 
 
 class _Layer(ctypes.Structure):

@@ -199,13 +199,11 @@ class Int8Linear(_LowBitLinear):
                  dense_dtype: torch.dtype | None = None, use_native: bool = True) -> None:
         """`weight`: fp weights [N, K], or Q8_0 codes already exact (a GGUF tensor's, `ggml.q8_codes`)."""
         packed = tiled = None
-        if isinstance(weight, q8.PackedQ8):
-            if not (use_native and native.available()):
-                weight = weight.dequantize()
-            else:
-                packed = weight
-        if packed is not None or (use_native and native.available() and weight.shape[1] % q8.GROUP_SIZE == 0):
-            packed = packed or q8.q8_0_codes(weight)
+        native_ok = use_native and native.available()
+        if isinstance(weight, q8.PackedQ8) and not native_ok:
+            weight = weight.dequantize()
+        if native_ok and (isinstance(weight, q8.PackedQ8) or weight.shape[1] % q8.GROUP_SIZE == 0):
+            packed = weight if isinstance(weight, q8.PackedQ8) else q8.q8_0_codes(weight)
             tiled = q8.tile(packed)
             codes, scale = packed.codes, packed.scales
             dense = None if dense_dtype is None or tiled is not None else packed.dequantize().to(dense_dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,14 +63,6 @@ class GGUFModel:
     arch: str
     config: PretrainedConfig
     tensors: dict[str, ggml.RawTensor]
-    metadata: dict[str, Any] = field(repr=False)
-
-    def type_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for t in self.tensors.values():
-            name = ggml.type_name(t.ggml_type)
-            counts[name] = counts.get(name, 0) + 1
-        return counts
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -101,10 +93,14 @@ class _Cursor:
         self.at += n
         return view
 
-    def scalar(self, kind: int):
+    def _format(self, kind: int) -> str:
         fmt = _SCALARS.get(kind)
         if fmt is None:
             raise ModelLoadError(f"{self.path}: unknown GGUF value type {kind}")
+        return fmt
+
+    def scalar(self, kind: int):
+        fmt = self._format(kind)
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
@@ -117,23 +113,22 @@ class _Cursor:
             return self.scalar(kind)
         item, count = self.scalar(4), self.scalar(10)
         if count > _LARGE_ARRAY:
-            for _ in range(count):
-                self.skip(item)
+            self.skip_items(item, count)
             return None
         return [self.value(item) for _ in range(count)]
 
-    def skip(self, kind: int) -> None:
-        if kind == _STRING:
-            self.take(self.scalar(10))
+    def skip_items(self, kind: int, count: int) -> None:
+        """Step over `count` values of `kind` without decoding them."""
+        if kind in _SCALARS:
+            self.take(struct.calcsize(_SCALARS[kind]) * count)
+        elif kind == _STRING:
+            for _ in range(count):
+                self.take(self.scalar(10))
         elif kind == _ARRAY:
-            item, count = self.scalar(4), self.scalar(10)
-            if item in _SCALARS:
-                self.take(struct.calcsize(_SCALARS[item]) * count)
-            else:
-                for _ in range(count):
-                    self.skip(item)
+            for _ in range(count):
+                self.skip_items(self.scalar(4), self.scalar(10))
         else:
-            self.take(struct.calcsize(_SCALARS.get(kind, "<B")) if kind in _SCALARS else -1)
+            self._format(kind)  # raises: unknown type
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], list[_TensorInfo], np.memmap]:
@@ -169,11 +164,6 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[_TensorInfo], np.memma
     return metadata, infos, mapped
 
 
-def read_metadata(path: Path) -> dict[str, Any]:
-    """The metadata of a GGUF file (large arrays as None)."""
-    return read_header(path)[0]
-
-
 def open_gguf(path: Path) -> GGUFModel:
     """Read and check `path` (see the module docstring); tensors stay in the mapped file."""
     meta, infos, mapped = read_header(path)
@@ -191,7 +181,7 @@ def open_gguf(path: Path) -> GGUFModel:
     tensors, rope_factors = _tensors(path, infos, mapped)
     config = _config(path, arch, meta, tensors, rope_factors)
     _unpermute_qk(arch, config, tensors)
-    return GGUFModel(path, arch, config, tensors, meta)
+    return GGUFModel(path, arch, config, tensors)
 
 
 def _require(meta: dict[str, Any], key: str, path: Path) -> Any:

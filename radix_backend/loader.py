@@ -142,9 +142,8 @@ def iter_weights(ckpt: Checkpoint, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (name, tensor) pairs one tensor at a time, so peak memory stays one tensor above the
     model's. Floating tensors are cast to `dtype` (None keeps the stored dtype); all go to `device`."""
-    from safetensors import safe_open
-
     import torch
+    from safetensors import safe_open
 
     if ckpt.gguf is not None:  # dequantized one tensor at a time (the fp32 reference path)
         from radix_backend.kernels import ggml

@@ -19,10 +19,10 @@ from radix_backend.kernels import AttentionMetadata, create_attention_backend, n
 from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
 from .models import build_model
-from .models.gguf_weights import build_gguf_model, kernel_counts
+from .models.gguf_weights import build_gguf_model
 from .models.llama import TPShard, check_tp_divisible
 from .config import DTYPE_NAMES, TORCH_DTYPES, EngineConfig
-from .quantize import QuantizationReport, default_quantization, gguf_blocker, gguf_report, quantize_model
+from .quantize import QuantizationReport, default_quantization, gguf_report, native_blocker, quantize_model
 
 if TYPE_CHECKING:
     from .distributed import TensorParallel
@@ -114,9 +114,9 @@ class ModelRunner:
         mode = config.quantization or default_quantization()
         tp_size = self.tp.size if self.tp else 1
         if (checkpoint.gguf is not None and mode == "auto" and native.available()
-                and gguf_blocker(self.device, self.dtype, tp_size) is None):
+                and native_blocker(self.device, self.dtype, tp_size) is None):
             self.model = build_gguf_model(self.config, checkpoint.gguf.tensors)
-            self.quantization: QuantizationReport = gguf_report(self.model, kernel_counts(self.model))
+            self.quantization: QuantizationReport = gguf_report(self.model)
         else:
             self.model = build_model(self.config, iter_weights(checkpoint, dtype=torch.float32, device="cpu"),
                                      dtype=self.dtype, device=self.device, tp=shard)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +59,7 @@ def validate_mode(mode: str) -> str:
 def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torch.device,
                    dtype: torch.dtype, tp_size: int = 1) -> QuantizationReport:
     """Replace the model's linears in place as `mode` says; returns what was done."""
-    report, codes = _decide(model, validate_mode(mode), from_gguf, _unsupported(device, dtype, tp_size))
+    report, codes = _decide(model, validate_mode(mode), from_gguf, native_blocker(device, dtype, tp_size))
     if report.mode != "none":
         report.dense_dtype = quant.dense_dtype_for_large_batches()
         linears = _linears(model)
@@ -98,13 +99,9 @@ def _decide(model: nn.Module, mode: str, from_gguf: bool,
     return QuantizationReport("none", "auto: fp checkpoint (pass quantization='int8' or 'int4' to quantize it)"), {}
 
 
-def gguf_blocker(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
-    """Why a GGUF cannot run in its own types here (None: it can)."""
-    return _unsupported(device, dtype, tp_size)
-
-
-def gguf_report(model: nn.Module, counts: dict[str, dict[str, int]]) -> QuantizationReport:
+def gguf_report(model: nn.Module) -> QuantizationReport:
     """What a model built from a GGUF in its own types runs where."""
+    counts = kernel_counts(model)
     low = sum(n for kernels in counts.values() for kernel, n in kernels.items() if kernel.startswith("native"))
     total = sum(n for kernels in counts.values() for n in kernels.values())
     summary = ", ".join(f"{kind}: " + ", ".join(f"{n} {kernel}" for kernel, n in kernels.items())
@@ -118,7 +115,18 @@ def gguf_report(model: nn.Module, counts: dict[str, dict[str, int]]) -> Quantiza
     return report
 
 
-def _unsupported(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
+def kernel_counts(model: nn.Module) -> dict[str, dict[str, int]]:
+    """{ggml type: {kernel: tensors}} over the model's GGUF linears (the LM head included)."""
+    counts: dict[str, Counter] = {}
+    for module in model.modules():
+        if isinstance(module, quant.GGUFLinear):
+            for kind, kernel in module.kernels:
+                counts.setdefault(kind, Counter())[kernel] += 1
+    return {kind: dict(c) for kind, c in sorted(counts.items())}
+
+
+def native_blocker(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
+    """Why the native low-bit kernels cannot run this model here (None: they can)."""
     if device.type != "cpu":
         return f"the quantized kernels are CPU kernels (device is {device.type})"
     if dtype != torch.float32:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8, help="greedy tokens compared per prompt")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    print(f"| file | ours vs llama.cpp | ours vs our fp32 reference | fp32 reference vs llama.cpp |")
+    print("| file | ours vs llama.cpp | ours vs our fp32 reference | fp32 reference vs llama.cpp |")
     print("| --- | --- | --- | --- |")
     for name in args.files:
         path = Path(name).expanduser().resolve()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from collections import Counter
 
 import torch
 from torch import nn
@@ -89,13 +88,3 @@ def _materialize(model: nn.Module) -> None:
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
                 module._buffers[name] = torch.empty_like(buf, device="cpu")
-
-
-def kernel_counts(model: nn.Module) -> dict[str, dict[str, int]]:
-    """{ggml type: {kernel: tensors}} over the model's GGUF linears (the LM head included)."""
-    counts: dict[str, Counter] = {}
-    for module in model.modules():
-        if isinstance(module, quant.GGUFLinear):
-            for kind, kernel in module.kernels:
-                counts.setdefault(kind, Counter())[kernel] += 1
-    return {kind: dict(c) for kind, c in sorted(counts.items())}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from driver_protocol import CallResult, main, measure
