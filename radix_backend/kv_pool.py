@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import InvalidRequestError, RadixBackendError
@@ -62,8 +63,8 @@ class KVPool:
         # Only whole pages are usable; a ragged remainder would be a page nobody can allocate.
         self.num_slots = num_slots // page_size * page_size
         shape = (cfg.num_layers, self.num_slots + page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)
-        self.v_buffer = torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)
+        self.k_buffer = _zeros(shape, cfg.dtype, torch.device(cfg.device))
+        self.v_buffer = _zeros(shape, cfg.dtype, torch.device(cfg.device))
 
     @property
     def device(self) -> torch.device:
@@ -92,6 +93,16 @@ class KVPool:
     def make_allocator(self, debug: bool = False, device: torch.device | str = "cpu") -> "SlotAllocator":
         """An allocator over exactly this pool's slots."""
         return SlotAllocator(self.num_slots, self.page_size, device=device, debug=debug)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed buffer. On the CPU from calloc (numpy's zeros): the OS hands over zero pages as they
+    are first touched, so a pool sized for many tokens costs neither load time nor resident memory
+    until it is used (torch.zeros writes every byte up front: seconds and gigabytes at start-up)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _check_sizes(num_slots: int, page_size: int) -> None:

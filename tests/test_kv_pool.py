@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -39,6 +41,25 @@ def test_pool_layout_and_write(page_size):
     assert not pool.k_cache(0).any()
     alloc = pool.make_allocator(debug=True)
     assert alloc.num_total == usable
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_cpu_pool_is_zero_and_costs_memory_only_as_it_is_used(dtype):
+    """The default CPU pool holds ~130k tokens; writing all its bytes at start-up took seconds."""
+    cfg = KVPoolConfig(num_layers=16, num_kv_heads=8, head_dim=64, dtype=dtype)
+    before = _resident_bytes()
+    pool = KVPool(cfg, num_slots=65536)  # 2 x 1 GiB at bf16, 2 x 2 GiB at fp32
+    assert pool.k_buffer.dtype == dtype and pool.size_bytes() >= 2 << 30
+    assert _resident_bytes() - before < 64 << 20
+    assert not pool.k_cache(15)[-8:].any() and not pool.v_cache(3)[:8].any()
+    pool.write(3, torch.tensor([5]), torch.ones(1, 8, 64), torch.ones(1, 8, 64))
+    assert pool.v_cache(3)[5].eq(1).all() and not pool.v_cache(3)[6].any()
 
 
 def test_pool_too_small():
