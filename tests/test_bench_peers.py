@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +31,32 @@ def test_ratios_compare_with_the_best_peer_in_the_right_direction():
     assert peers.agreement(results, "vllm", "few-shot") == "1/2"
 
 
+def test_each_interface_compares_with_its_own_peers_and_fp32_with_fp32():
+    results = {"radix": fake_result("radix-backend", 2.0, 600, 40, 300),
+               "vllm": fake_result("vLLM-cpu", 1.0, 900, 20, 100),  # in process
+               "radix-server": fake_result("radix-backend serve", 3.0, 500, 30, 200),
+               "vllm-server": fake_result("vLLM-cpu server", 6.0, 400, 10, 50),
+               "radix-fp32": fake_result("radix-backend fp32", 4.0, 300, 20, 100),
+               "vllm-fp32": fake_result("vLLM-cpu fp32", 2.0, 600, 10, 100)}
+    assert peers.ratio_vs_best_peer(results, "few-shot", False) == (0.5, "vllm")  # the server row is not a rival
+    assert peers.ratio_vs_best_peer(results, "few-shot", False, ours="radix-server") == (2.0, "vllm-server")
+    table = peers.format_table(results)
+    process, server = table.split("### through an HTTP server")
+    assert "2.00x slower (vs vLLM-cpu)" in process and "vLLM-cpu server |" not in process
+    assert "2.00x faster (vs vLLM-cpu server)" in server
+    assert "- few-shot wall s: 2.00x slower" in server and "- prefill 1024 tok/s: 2.00x slower" in server
+    del results["vllm-fp32"]
+    assert peers.same_precision_reference(results) is None  # vLLM ran bf16: not the same precision
+    results["vllm"]["vllm_dtype"] = "float32"
+    assert peers.same_precision_reference(results) == "vllm"
+
+
+def test_vllm_runs_bf16_only_where_the_cpu_has_native_bf16():
+    assert peers.vllm_dtype_for_cpu("flags\t: fpu avx2 avx512f avx512_bf16 avx512_vnni") == "bfloat16"
+    assert peers.vllm_dtype_for_cpu("flags\t: fpu avx2 amx_bf16 amx_tile") == "bfloat16"
+    assert peers.vllm_dtype_for_cpu("flags\t: fpu avx2 fma avx512f") == "float32"
+
+
 def test_a_missing_peer_is_skipped_with_its_install_command(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     plan.write_text("{}")
@@ -58,7 +82,8 @@ def test_plan_holds_the_same_token_ids_for_every_system(smollm2_checkpoint):
     assert plan["model_gguf"] == str(smollm2_checkpoint.path) and plan["model_dir"] is None  # no vLLM: no HF copy
 
 
-def test_radix_driver_runs_a_plan_in_its_own_process(tmp_path, tiny_llama_dir, smollm2_tokenizer):
+@pytest.mark.parametrize("peer", ["radix", "radix-server"])
+def test_radix_drivers_run_a_plan_in_their_own_process(peer, tmp_path, tiny_llama_dir, smollm2_tokenizer):
     prompts = [smollm2_tokenizer.encode(f"Question {i}: what is {i} plus {i}?") for i in range(4)]
     plan = {"model_gguf": str(tiny_llama_dir), "context_tokens": 512, "eos_token_ids": [0],
             "radix_engine_args": {"kv_cache_tokens": 2048},
@@ -66,11 +91,8 @@ def test_radix_driver_runs_a_plan_in_its_own_process(tmp_path, tiny_llama_dir, s
             "prefill": {"prompt": prompts[0] * 4}, "decode": {"batch_sizes": [1, 2], "prompts": prompts,
                                                              "max_new_tokens": 5}}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    done = subprocess.run([sys.executable, str(peers.DRIVERS / "run_radix.py"), str(tmp_path / "plan.json"),
-                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=300,
-                          cwd=str(peers.DRIVERS))
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "out.json").read_text())
+    result = peers.run_peer(peers.PEERS[peer], tmp_path / "plan.json", tmp_path, tmp_path, 300)
+    assert result is not None, (tmp_path / f"server_{peer}.log").read_text()[-3000:] if peer != "radix" else ""
     workload = result["workloads"]["few-shot"]
     assert workload["calls"] == 4 and len(workload["texts"]) == 4 and workload["completion_tokens"] > 0
     assert workload["cached_tokens"] is not None
@@ -78,7 +100,7 @@ def test_radix_driver_runs_a_plan_in_its_own_process(tmp_path, tiny_llama_dir, s
     assert result["cpu"] and "radix-backend" in result["version"]
 
 
-@pytest.mark.parametrize("script", ["run_llamacpp.py", "run_vllm.py", "run_radix.py"])
+@pytest.mark.parametrize("script", sorted({p.driver for p in peers.PEERS.values()}))
 def test_drivers_import_nothing_of_the_package(script):
     """They run inside the peers' venvs, where radix_backend is not installed."""
     source = (peers.DRIVERS / script).read_text()

