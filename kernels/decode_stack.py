@@ -1,11 +1,12 @@
-"""A decode step's whole decoder stack in one native call, on 4-bit weights (`csrc/decode_stack.c`).
+"""A decode step's whole decoder stack in one native call (`csrc/decode_stack.c`).
 
-Small CPU decode steps pay more for ~15 torch ops per layer (Python calls, allocations, the bf16
-casts around torch's int4 kernel) than for streaming the weights. `DecodeStack` hands every
-layer's norms, 4-bit linears, RoPE, K/V write and attention over the paged pool to C at once, on
-fp32 activations and the GGUF's exact Q4_1 weights. It serves decode steps only (one new token per
-request) of Llama-style layers without q/k norms; the caller keeps the torch path for the rest.
-The low-bit layout and matmul it shares with the torch path's linears live in `q4.py`.
+Small CPU decode steps pay more for ~15 torch ops per layer (Python calls, allocations, OpenMP
+hand-offs, the casts around torch's low-bit kernels) than for streaming the weights. `DecodeStack`
+hands every layer's norms, linears, RoPE, K/V write and attention over the paged pool to C at once,
+on fp32 activations and either the GGUF's own low-bit weights or the fp32 reference path's dense
+ones. It serves decode steps only (one new token per request) of Llama-style layers without q/k
+norms; the caller keeps the torch path for the rest. The weight layouts and matmuls it shares with
+the torch path's linears live in `q4.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .q4 import PackedQ4, Q4WeightStruct
+from .q4 import DenseWeight, PackedQ4, Q4WeightStruct
+
+NativeWeight = PackedQ4 | DenseWeight
 
 
 class _Layer(ctypes.Structure):
@@ -35,10 +38,10 @@ class _Dims(ctypes.Structure):
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden] fp32
     post_norm: torch.Tensor
-    qkv: PackedQ4  # q, k, v heads stacked (one weight, or a chain of three)
-    o: PackedQ4
-    gate_up: PackedQ4  # gate then up
-    down: PackedQ4
+    qkv: NativeWeight  # q, k, v heads stacked (one weight, or a chain of three)
+    o: NativeWeight
+    gate_up: NativeWeight  # gate then up
+    down: NativeWeight
 
 
 class DecodeStack:

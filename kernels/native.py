@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "decode_stack.c", CSRC / "q8_matmul.c",
-           CSRC / "q4_matmul.c", CSRC / "thread_pool.c")
+           CSRC / "q4_matmul.c", CSRC / "f32_matmul.c", CSRC / "thread_pool.c")
 HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "q16.h", CSRC / "q4.h", CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 ENV_SWITCH = "RADIX_BACKEND_NATIVE"

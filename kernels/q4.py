@@ -40,7 +40,8 @@ Q4WeightStruct._fields_ = [
     ("codes", ctypes.c_void_p), ("params", ctypes.c_void_p), ("bias", ctypes.c_void_p),
     ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64), ("high", ctypes.c_void_p),
     ("super", ctypes.c_void_p), ("high_bits", ctypes.c_int32), ("layout", ctypes.c_int32),
-    ("params_kind", ctypes.c_int32), ("offset", ctypes.c_float), ("next", ctypes.POINTER(Q4WeightStruct))]
+    ("params_kind", ctypes.c_int32), ("offset", ctypes.c_float), ("next", ctypes.POINTER(Q4WeightStruct)),
+    ("dense", ctypes.c_void_p)]
 # parameter storage (csrc/q4.h): fp16, fp32, or the K-quants' int8 sub-scales times fp16 factors
 PARAMS_KIND = {torch.float16: 0, torch.float32: 1, torch.int8: 2}
 SUPER_GROUPS = 8  # groups of 32 per K-quant super-block of 256
@@ -109,6 +110,39 @@ class PackedQ4:
                 self.in_features, self.out_features, None if self.high is None else self.high.data_ptr(),
                 None if self.super is None else self.super.data_ptr(), self.high_bits, self.layout,
                 PARAMS_KIND[self.params.dtype], self.offset, nxt)
+        return self._struct
+
+
+@dataclass
+class DenseWeight:
+    """fp32 weights [N, K] as they are, for the native linears (the fp32 reference path's decode
+    stack; csrc/f32_matmul.c): same call as the low-bit kinds, no activation rounding."""
+
+    weight: torch.Tensor  # [N, K] fp32, contiguous
+    bias: torch.Tensor | None
+    _struct: Q4WeightStruct | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.weight.dtype != torch.float32 or self.weight.dim() != 2 or self.weight.device.type != "cpu":
+            raise ValueError("a dense native weight is a CPU fp32 matrix [out, in]")
+        self.weight = self.weight.detach().contiguous()
+        self.bias = None if self.bias is None else self.bias.detach().float().contiguous()
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    total_out = out_features
+
+    def as_struct(self) -> Q4WeightStruct:
+        if self._struct is None:
+            self._struct = Q4WeightStruct(in_features=self.in_features, out_features=self.out_features,
+                                          bias=None if self.bias is None else self.bias.data_ptr(),
+                                          dense=self.weight.data_ptr())
         return self._struct
 
 
@@ -184,7 +218,7 @@ def chain(parts: list[PackedQ4]) -> PackedQ4:
     return parts[0]
 
 
-def q4_matmul(x: torch.Tensor, weight: PackedQ4, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:
+def q4_matmul(x: torch.Tensor, weight: PackedQ4 | DenseWeight, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] fp32 over the chain, the output rows split over `threads`
     threads; the activations enter as 16-bit (~2e-5 relative error) or 8-bit (~5e-3, half the work)
     integers."""

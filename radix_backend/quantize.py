@@ -6,7 +6,9 @@ Modes (`Engine(quantization=...)`, `--quantization`):
   wherever those run (CPU, fp32, one process); everything else is the fp reference ("none").
   Never decided by timing: a busy machine must not change a model's precision.
 - "none": the fp32/bf16 reference path, which reproduces HF transformers' greedy tokens (a GGUF
-  is dequantized in memory, as gguf's dequantizer does).
+  is dequantized in memory, as gguf's dequantizer does). On the CPU in fp32 its small decode steps
+  run the whole stack in one native call on the same fp32 weights (only the summation order differs
+  from torch's matmul).
 - "int4": every attention and MLP linear as 4-bit groups of 32 (GGUF Q4_1 layout), LM head int8.
   On weights dequantized from Q4_1 the codes are the file's own, recovered exactly.
 - "int8": every linear and the LM head as int8 with a scale per output row.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radix_backend.kernels import quant
+from radix_backend.kernels import native, quant
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,11 @@ def validate_mode(mode: str) -> str:
 def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torch.device,
                    dtype: torch.dtype, tp_size: int = 1) -> QuantizationReport:
     """Replace the model's linears in place as `mode` says; returns what was done."""
-    report, codes = _decide(model, validate_mode(mode), from_gguf, native_blocker(device, dtype, tp_size))
+    blocker = native_blocker(device, dtype, tp_size)
+    report, codes = _decide(model, validate_mode(mode), from_gguf, blocker)
+    if report.mode == "none" and blocker is None and native.available():
+        report.decode_stack = model.build_decode_stack()  # the fp32 weights as they are, in one call
+        model.build_native_head()
     if report.mode != "none":
         report.dense_dtype = quant.dense_dtype_for_large_batches()
         linears = _linears(model)

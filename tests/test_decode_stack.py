@@ -59,6 +59,19 @@ def test_q4_matmul_computes_with_the_exact_weights(rows, threads):
         q4.q4_matmul(x, packed, activation_bits=4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 17, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dense_fp32_matmul_is_the_fp32_product(rows, threads):
+    """The fp32 reference path's native linears: any sizes (tails of the 4 x 4 register tile and of
+    the 16-lane vectors), the bias, fp32 sums within float rounding of the float64 product."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias, x = torch.randn(37, 70, generator=gen), torch.randn(37, generator=gen), torch.randn(rows, 70, generator=gen)
+    got = q4.q4_matmul(x, q4.DenseWeight(weight, bias), threads=threads)
+    assert relative_error(got, x.double() @ weight.double().t() + bias.double()) < 1e-6
+    with pytest.raises(ValueError, match="fp32"):
+        q4.DenseWeight(weight.half(), None)
+
+
 def test_int4_linear_takes_large_batches_in_8_bits_and_small_ones_in_16():
     q = random_q4(64, 128, seed=3)
     layer = quant.Int4Linear(q, dense_dtype=torch.bfloat16)
@@ -203,6 +216,27 @@ def test_stack_equals_the_per_layer_path(tiny_llama_dir, monkeypatch):
                                    torch.tensor([lp.logprob for lp in want.logprobs]), atol=1e-4, rtol=1e-4)
 
 
+def test_fp32_path_runs_its_dense_weights_in_the_stack_and_the_native_head(tiny_llama_dir, monkeypatch):
+    """quantization='none' on the CPU: small decode steps take the stack on the fp32 weights as they
+    are, and the LM head the native kernel; tokens and logprobs as the torch layers give them."""
+    calls = _stack_calls(monkeypatch)
+    params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True)
+    prompts = ["The quick brown fox", "A radix tree stores", "Once upon a time"]
+    with Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="none") as eng:
+        model = eng.runner.model
+        assert eng.runner.quantization.decode_stack and model.native_head is not None
+        assert model.decode_stack.layers[0].qkv.weight.data_ptr() == model.layers[0].self_attn.qkv_proj.weight.data_ptr()
+        native_run = [eng.generate(p, params) for p in prompts] + eng.generate(prompts, params)
+        assert calls and max(calls) == 3
+        model.decode_stack, model.native_head = None, None
+        eng.flush_cache()
+        torch_run = [eng.generate(p, params) for p in prompts] + eng.generate(prompts, params)
+    for got, want in zip(native_run, torch_run):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
+                                   torch.tensor([lp.logprob for lp in want.logprobs]), atol=1e-5, rtol=1e-5)
+
+
 def test_qk_norm_models_keep_the_per_layer_path(tiny_qwen3_dir):
     with Engine(str(tiny_qwen3_dir), kv_cache_tokens=1024, quantization="int4") as eng:
         assert eng.runner.model.decode_stack is None and not eng.runner.quantization.decode_stack
@@ -246,6 +280,10 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
     for bits in (16, 8):
         assert lib.rb_q4_matmul(ctypes.byref(packed4.as_struct()), x.data_ptr(), 6, got4.data_ptr(), 2, bits) == 0
         torch.testing.assert_close(got4, q4.q4_matmul(x, packed4, activation_bits=bits), rtol=1e-5, atol=1e-5)
+    dense = q4.DenseWeight(torch.randn(21, 192, generator=torch.Generator().manual_seed(13)), torch.randn(21))
+    got_dense = torch.empty(6, 21)
+    assert lib.rb_q4_matmul(ctypes.byref(dense.as_struct()), x.data_ptr(), 6, got_dense.data_ptr(), 2, 16) == 0
+    torch.testing.assert_close(got_dense, q4.q4_matmul(x, dense), rtol=1e-5, atol=1e-5)
     assert lib.rb_q8_matmul(ctypes.byref(packed8.as_struct()), x.data_ptr(), 6, got8.data_ptr(), 2) == 0
     torch.testing.assert_close(got8, q8.q8_matmul(x, packed8), rtol=1e-5, atol=1e-5)
     # extend attention, whose vector code is 16 floats wide with AVX-512 and 8 otherwise

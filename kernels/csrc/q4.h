@@ -30,7 +30,9 @@ enum { Q4_PARAMS_F16 = 0, Q4_PARAMS_F32 = 1, Q4_PARAMS_K = 2 };
    second's factor next: dmin negated for Q4_K/Q5_K, d again for Q6_K), as the file stores them:
    the products are exact in fp32.
    `next` chains weights of the same input whose outputs are concatenated (a fused q/k/v of
-   mixed types). */
+   mixed types).
+   `dense` set: the weight is fp32 rows [out, in] instead (f32_matmul.c; any sizes, every link of
+   the chain dense), the fields above unused. */
 typedef struct rb_q4_weight {
     const uint8_t *codes;
     const void *params;
@@ -43,6 +45,7 @@ typedef struct rb_q4_weight {
     int32_t params_kind; /* Q4_PARAMS_F16, Q4_PARAMS_F32 or Q4_PARAMS_K */
     float offset;       /* the code offset of the *_OFFSET layouts */
     const struct rb_q4_weight *next;
+    const float *dense;
 } rb_q4_weight;
 
 /* output features of a weight and the weights chained to it */
@@ -81,6 +84,8 @@ int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes);
 void q4_activations_free(q4_activations *x);
 /* x [M, K] into `out` (allocated for >= M rows of >= K features), on up to `threads` threads */
 void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads);
+/* the same for a chain of dense fp32 weights (f32_matmul.c) */
+void f32_linear(const rb_q4_weight *w, const float *x, int64_t M, float *y, int64_t threads);
 /* y [M, N] = x [M, K] @ W^T (+ bias), N over the chain (`next`): x quantized into `scratch`
    (allocated for >= M rows of >= K features), the output rows split over `threads` threads */
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,

@@ -485,6 +485,10 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
 
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
                int64_t threads) {
+    if (w->dense) {
+        f32_linear(w, x, M, y, threads);
+        return;
+    }
     scratch->offset_digits = 0;
     q4_quantize(x, M, w->in, scratch, threads);
     q4_job job = {w, scratch, M, y};
@@ -492,9 +496,13 @@ void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations 
 }
 
 /* y [M, N] = x [M, K] @ W^T (+ bias) on `threads` threads, the activations in 8 (bits = 8) or 16
-   bits. Returns 0, -1 if memory ran out, -2 for another `bits`. */
+   bits (dense weights: fp32 as they are). Returns 0, -1 if memory ran out, -2 for another `bits`. */
 int rb_q4_matmul(const rb_q4_weight *w, const float *x, int64_t M, float *y, int64_t threads, int64_t bits) {
     if (bits != 8 && bits != 16) return -2;
+    if (w->dense) {
+        f32_linear(w, x, M, y, threads);
+        return 0;
+    }
     q4_activations q;
     if (q4_activations_alloc(&q, M, w->in, bits / 8)) return -1;
     q4_linear(w, x, M, &q, y, threads);
