@@ -1,4 +1,6 @@
-"""Fused layer ops the model calls: RMSNorm (+ residual add), SiLU-and-mul and neox-style RoPE.
+"""Layer ops the model calls: linear, RMSNorm (+ residual add), SiLU-and-mul and neox-style RoPE.
+
+`linear` runs fp32 CPU matmuls through oneDNN (torch's own build), the rest are fused kernels.
 
 Each public function has a pure-torch implementation (`*_torch`, the test reference), a Triton
 kernel (`triton_ops.py`) used for CUDA tensors when Triton imports, and a native C kernel
@@ -38,6 +40,30 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- public API
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias). fp32 on the CPU goes through oneDNN's matmul, which torch ships for
+    its bf16 linears anyway: torch.nn.functional.linear's fp32 BLAS (MKL) reaches 40-45 % of its
+    speed on the AMD EPYC measured (1024 x 576 @ 576 x 3072 on 2 threads: 18.2 vs 8.0 ms; 17 rows:
+    0.66 vs 0.25 ms), with the same fp32 accuracy (sums in another order)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu" \
+            and weight.is_contiguous() and onednn_linear_available():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_linear_available() -> bool:
+    """Whether torch's oneDNN linear runs here (and agrees with F.linear on a small product)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    x, w, b = torch.randn(3, 40), torch.randn(5, 40), torch.randn(5)
+    try:
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4))
+
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim (fp32 statistics, as HF LlamaRMSNorm); returns x.dtype."""

@@ -32,10 +32,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import ggml, native, q4, q8
+from . import ggml, native, ops, q4, q8
 from .q4 import GROUP_SIZE
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
@@ -139,7 +138,7 @@ class _LowBitLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self.dense_weight is not None and flat.shape[0] > self.small_batch_rows:
-            out = F.linear(flat.to(self.dense_weight.dtype), self.dense_weight)
+            out = ops.linear(flat.to(self.dense_weight.dtype), self.dense_weight)
             if not self.keep_dense_dtype:
                 out = out.to(x.dtype)
         else:
@@ -320,7 +319,7 @@ class GGUFLinear(nn.Module):
                     outs.append(runner(flat.float()))
                 else:
                     weight, bias = runner
-                    outs.append(F.linear(flat.float(), weight, bias))
+                    outs.append(ops.linear(flat.float(), weight, bias))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 

@@ -15,9 +15,9 @@ are page-aligned, so a node always owns whole pages, and a request owns its unal
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .errors import InvalidRequestError, RadixBackendError
@@ -96,13 +96,17 @@ class KVPool:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed buffer. On the CPU from calloc (numpy's zeros): the OS hands over zero pages as they
-    are first touched, so a pool sized for many tokens costs neither load time nor resident memory
-    until it is used (torch.zeros writes every byte up front: seconds and gigabytes at start-up)."""
+    """A zeroed buffer. On the CPU an anonymous memory map: the OS hands over zero pages as they are
+    first written, so a pool sized for many tokens costs neither load time nor resident memory
+    until it is used (torch.zeros writes every byte up front: 6 GB and ~10 s for the default pool).
+    Plain 4 KB pages on purpose: numpy's calloc asks for transparent huge pages, whose first-touch
+    faults cost ~50x more per written KV byte on the machines measured (direct compaction)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flat = torch.frombuffer(pages, dtype=torch.uint8, count=nbytes)  # holds the map alive
+    return flat.view(dtype).view(shape)
 
 
 def _check_sizes(num_slots: int, page_size: int) -> None:
@@ -116,9 +120,11 @@ def _check_sizes(num_slots: int, page_size: int) -> None:
 class SlotAllocator:
     """Hands out KV token slots, a whole page at a time (SGLang's TokenToKVPoolAllocator).
 
-    Free pages sit in a ring buffer (one int64 tensor of num_pages entries, no per-slot Python
-    objects): `alloc` reads k pages at the head, `free` writes them at the tail, O(k) each, no
-    merging. Freed pages are reused FIFO. A boolean per-page "is free" mask catches double frees,
+    Free pages sit on a stack (one int64 tensor of num_pages entries, no per-slot Python objects):
+    `alloc` pops k pages, `free` pushes them, O(k) each, no merging. Freed pages are reused first
+    (LIFO) and a fresh pool hands out pages in ascending order, so a workload touches only as much
+    of the pool as it holds at once: on the CPU, a page of the pool's memory costs a first-touch
+    fault the first time it is written, and recently used slots are still in the caches. A boolean per-page "is free" mask catches double frees,
     duplicates and frees of the padding page; the check runs on CPU always (vectorised) and on
     GPU only with `debug=True`, since it needs a device sync there. `debug=True` also re-verifies
     the free count against the mask on every call.
@@ -156,8 +162,8 @@ class SlotAllocator:
 
     def reset(self) -> None:
         """Mark every page free again (drops all ownership; the caller must hold none)."""
-        self._ring = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
-        self._head = 0  # ring index of the oldest free page; free pages are the next _num_free_pages
+        # free pages, the next to hand out last: a fresh pool pops 1, 2, 3, ...
+        self._stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64, device=self.device)
         self._num_free_pages = self.num_pages
         self._page_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
         self._page_free[0] = False  # the padding page is never free, never allocated
@@ -217,15 +223,12 @@ class SlotAllocator:
         m = int(pages.numel())
         if self._check:
             self._validate_free(pages)
-        if self._num_free_pages + m > self.num_pages:  # the ring would overflow: checked everywhere
+        if self._num_free_pages + m > self.num_pages:  # the stack would overflow: checked everywhere
             raise SlotAccountingError(f"freeing {m} pages with {self._num_free_pages} of {self.num_pages} "
                                       "already free: double free")
         self._page_free[pages] = True
-        tail = (self._head + self._num_free_pages) % self.num_pages
-        first = min(m, self.num_pages - tail)  # copies: the caller may overwrite its tensor later
-        self._ring[tail:tail + first] = pages[:first]
-        if m > first:
-            self._ring[:m - first] = pages[first:]
+        top = self._num_free_pages  # pushed in reverse, so the next alloc pops them in this order
+        self._stack[top:top + m] = pages.flip(0)  # a copy: the caller may overwrite its tensor later
         self._num_free_pages += m
         if self.debug and int(self._page_free.sum()) != self._num_free_pages:
             raise SlotAccountingError("free-page count drifted from the free mask")
@@ -249,12 +252,8 @@ class SlotAllocator:
     def _take_pages(self, k: int) -> torch.Tensor:
         if k == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        start, end = self._head, self._head + k
-        if end <= self.num_pages:
-            pages = self._ring[start:end].clone()  # the ring slots get overwritten by later frees
-        else:
-            pages = torch.cat((self._ring[start:], self._ring[:end - self.num_pages]))
-        self._head = end % self.num_pages
+        top = self._num_free_pages
+        pages = self._stack[top - k:top].flip(0)  # flip copies: later pushes overwrite the stack
         self._page_free[pages] = False
         self._num_free_pages -= k
         return pages

@@ -18,6 +18,22 @@ from radix_backend.kernels import ops
 
 # ----------------------------------------------------------------------------- torch vs formulas
 
+@pytest.mark.parametrize("rows", [0, 1, 17, 300])
+def test_linear_is_the_fp32_product_on_every_route(rows) -> None:
+    """fp32 on the CPU takes oneDNN where torch has it (a different kernel than F.linear's BLAS);
+    both, and the bf16 route, give the product within their format's rounding."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 3, 96, generator=g), torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    want = x.double() @ w.double().t() + b.double()
+    got = ops.linear(x, w, b)
+    assert got.shape == (rows, 3, 40) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.linear(x, w.t().contiguous().t()).double(), want - b.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.linear(x.bfloat16(), w.bfloat16()).double(), want - b.double(), rtol=0.05, atol=0.3)
+    assert ops.onednn_linear_available() == (torch.backends.mkldnn.is_available()
+                                             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 def test_rms_norm_matches_formula() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 7, 64, generator=g)

@@ -107,6 +107,13 @@ def _default_or_linear_rope(config) -> tuple[float, float] | None:
     return None
 
 
+class Linear(nn.Linear):
+    """nn.Linear through `ops.linear` (oneDNN for fp32 on the CPU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -131,8 +138,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -161,8 +168,8 @@ class MLP(nn.Module):
     def __init__(self, config, tp_size: int = 1, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         intermediate = config.intermediate_size // tp_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, config.hidden_size, bias=False)
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         head_dim = self.layers[0].self_attn.head_dim
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, head_dim, config.max_position_embeddings),
                              persistent=False)
@@ -295,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head_quant(hidden).float()
         if self.native_head is not None and hidden.shape[0] <= NATIVE_HEAD_MAX_ROWS:
             return q4_matmul(hidden.float(), self.native_head, threads=torch.get_num_threads())
-        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+        return ops.linear(hidden, self.lm_head_weight).float()
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -370,12 +377,12 @@ class LlamaForCausalLM(nn.Module):
 
 def _native_weight(linear: nn.Module) -> NativeWeight | None:
     """The decode stack's form of a linear: its packed low-bit weights, its fp32 weights as they
-    are (a plain CPU `nn.Linear`), or None."""
+    are (a plain CPU `Linear`), or None."""
     packed = getattr(linear, "native_q4", None)
     if packed is not None:
         bias = getattr(linear, "bias", None)
         return packed if bias is None else dataclasses.replace(packed, bias=bias.detach().float())
-    if type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu":
+    if type(linear) is Linear and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu":
         return DenseWeight(linear.weight, linear.bias)
     return None
 
