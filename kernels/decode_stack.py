@@ -48,10 +48,11 @@ class DecodeStack:
     """The decoder layers of one model for `run`; keeps the packed tensors alive for the C side."""
 
     def __init__(self, layers: list[LayerWeights], *, heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, cos_sin: torch.Tensor) -> None:
+                 scale: float, cos_sin: torch.Tensor, max_tokens: int = 64) -> None:
         if cos_sin.dtype != torch.float32 or cos_sin.shape[-1] != head_dim:
             raise ValueError("the RoPE table must be fp32 [positions, head_dim] (full rotary)")
         self.layers = layers
+        self.max_tokens = max_tokens  # the largest step the caller should hand over (where it pays)
         self.cos_sin = cos_sin.contiguous()
         hidden = layers[0].input_norm.numel()
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, layers[0].down.in_features, eps, scale,

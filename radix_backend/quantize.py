@@ -65,7 +65,6 @@ def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torc
     report, codes = _decide(model, validate_mode(mode), from_gguf, blocker)
     if report.mode == "none" and blocker is None and native.available():
         report.decode_stack = model.build_decode_stack()  # the fp32 weights as they are, in one call
-        model.build_native_head()
     if report.mode != "none":
         report.dense_dtype = quant.dense_dtype_for_large_batches()
         linears = _linears(model)

@@ -216,19 +216,19 @@ def test_stack_equals_the_per_layer_path(tiny_llama_dir, monkeypatch):
                                    torch.tensor([lp.logprob for lp in want.logprobs]), atol=1e-4, rtol=1e-4)
 
 
-def test_fp32_path_runs_its_dense_weights_in_the_stack_and_the_native_head(tiny_llama_dir, monkeypatch):
+def test_fp32_path_runs_its_dense_weights_in_the_stack(tiny_llama_dir, monkeypatch):
     """quantization='none' on the CPU: small decode steps take the stack on the fp32 weights as they
-    are, and the LM head the native kernel; tokens and logprobs as the torch layers give them."""
+    are; tokens and logprobs as the torch layers give them."""
     calls = _stack_calls(monkeypatch)
     params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True)
     prompts = ["The quick brown fox", "A radix tree stores", "Once upon a time"]
     with Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="none") as eng:
         model = eng.runner.model
-        assert eng.runner.quantization.decode_stack and model.native_head is not None
+        assert eng.runner.quantization.decode_stack and model.decode_stack.max_tokens == 8
         assert model.decode_stack.layers[0].qkv.weight.data_ptr() == model.layers[0].self_attn.qkv_proj.weight.data_ptr()
         native_run = [eng.generate(p, params) for p in prompts] + eng.generate(prompts, params)
         assert calls and max(calls) == 3
-        model.decode_stack, model.native_head = None, None
+        model.decode_stack = None
         eng.flush_cache()
         torch_run = [eng.generate(p, params) for p in prompts] + eng.generate(prompts, params)
     for got, want in zip(native_run, torch_run):

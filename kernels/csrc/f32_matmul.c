@@ -27,9 +27,38 @@ static inline float lanes_sum(v16 v) {
     return s;
 }
 
-/* out[i][j] = x[i] . w[j] for `xr` activation rows and `wr` weight rows (each <= 4) of length K */
+/* out[i][j] = x[i] . w[j] for a full tile: every bound a constant, so the 16 sums stay in registers */
+static inline void dot_tile_full(const float *const *x, const float *const *w, int64_t K, float out[X_ROWS][W_ROWS]) {
+    v16 acc[X_ROWS][W_ROWS] = {{{0}}};
+    const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+    const float *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const v16 a = load16(w0 + k), b = load16(w1 + k), c = load16(w2 + k), d = load16(w3 + k);
+        v16 xv = load16(x0 + k);
+        acc[0][0] += xv * a, acc[0][1] += xv * b, acc[0][2] += xv * c, acc[0][3] += xv * d;
+        xv = load16(x1 + k);
+        acc[1][0] += xv * a, acc[1][1] += xv * b, acc[1][2] += xv * c, acc[1][3] += xv * d;
+        xv = load16(x2 + k);
+        acc[2][0] += xv * a, acc[2][1] += xv * b, acc[2][2] += xv * c, acc[2][3] += xv * d;
+        xv = load16(x3 + k);
+        acc[3][0] += xv * a, acc[3][1] += xv * b, acc[3][2] += xv * c, acc[3][3] += xv * d;
+    }
+    for (int i = 0; i < X_ROWS; i++)
+        for (int j = 0; j < W_ROWS; j++) {
+            float s = lanes_sum(acc[i][j]);
+            for (int64_t t = k; t < K; t++) s += x[i][t] * w[j][t];
+            out[i][j] = s;
+        }
+}
+
+/* the same for an edge tile of `xr` x `wr` (each <= 4) */
 static inline void dot_tile(const float *const *x, int xr, const float *const *w, int wr, int64_t K,
                             float out[X_ROWS][W_ROWS]) {
+    if (xr == X_ROWS && wr == W_ROWS) {
+        dot_tile_full(x, w, K, out);
+        return;
+    }
     v16 acc[X_ROWS][W_ROWS] = {{{0}}};
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {

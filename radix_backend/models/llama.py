@@ -23,7 +23,7 @@ from torch import nn
 from radix_backend.kernels import ops, quant
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
 from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights, NativeWeight
-from radix_backend.kernels.q4 import DenseWeight, q4_matmul
+from radix_backend.kernels.q4 import DenseWeight
 
 # Decode steps of up to this many tokens run the whole stack in one native call when the model
 # has one (`build_decode_stack`). With the native 4-bit matmul serving every batch size (8-bit
@@ -31,9 +31,10 @@ from radix_backend.kernels.q4 import DenseWeight, q4_matmul
 # contexts, ms, two rounds): 32 tokens 59/46 vs 69/103, 64 tokens 90/76 vs 99/109. Larger steps
 # keep the per-layer path, which also serves steps whose requests share a cached prefix.
 DECODE_STACK_MAX_TOKENS = 64
-# The fp32 LM head of steps of up to this many rows runs natively (`build_native_head`): 49152 x 576
-# (SmolLM2) on 2 EPYC threads, 1 / 16 / 64 rows: 3.7 / 8.8 / 23 ms against torch's 7.3 / 12 / 28.
-NATIVE_HEAD_MAX_ROWS = 64
+# On dense fp32 weights the stack's matmul (a register-tiled loop) trails oneDNN's as rows grow: per
+# step, stack vs per-layer path (SmolLM2 fp32, 2-core EPYC, ms): 1 row 17.5 vs 28.5, 4: 22 vs 36,
+# 8: 33 vs 34, 16: 53 vs 41, 32: 88 vs 57. So fp32 models use the stack up to 8 tokens.
+DENSE_DECODE_STACK_MAX_TOKENS = 8
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -232,7 +233,6 @@ class LlamaForCausalLM(nn.Module):
         # (0: as the caller set). The head is one large matmul, where more threads pay off.
         self.head_threads = 0
         self.decode_stack: DecodeStack | None = None  # set by `build_decode_stack` (native CPU weights)
-        self.native_head: DenseWeight | None = None  # set by `build_native_head` (fp32 CPU models)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -245,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.cos_sin_cache
         hidden = self.embed_tokens(input_ids)
         stack = self.decode_stack
-        if (stack is not None and input_ids.shape[0] <= DECODE_STACK_MAX_TOKENS
+        if (stack is not None and input_ids.shape[0] <= stack.max_tokens
                 and (slots := backend.native_decode_slots(meta)) is not None and stack.bind(kv_caches)):
             threads = self.head_threads or torch.get_num_threads()  # the step's thread budget
             hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads,
@@ -283,25 +283,16 @@ class LlamaForCausalLM(nn.Module):
             weights.append(LayerWeights(layer.input_layernorm.weight.detach().float().contiguous(),
                                         layer.post_attention_layernorm.weight.detach().float().contiguous(),
                                         *packed))
+        dense = any(isinstance(w, DenseWeight) for layer in weights for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                                         head_dim=attn.head_dim, eps=self.layers[0].input_layernorm.eps,
-                                        scale=attn.scale, cos_sin=self.cos_sin_cache.float())
-        return True
-
-    def build_native_head(self) -> bool:
-        """Let small steps compute an fp32 CPU LM head natively (the weight as it is, the rows
-        split over the step's threads; see NATIVE_HEAD_MAX_ROWS). Returns whether it was set up."""
-        weight = self.lm_head_weight
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
-            return False
-        self.native_head = DenseWeight(weight, None)
+                                        scale=attn.scale, cos_sin=self.cos_sin_cache.float(),
+                                        max_tokens=DENSE_DECODE_STACK_MAX_TOKENS if dense else DECODE_STACK_MAX_TOKENS)
         return True
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_quant is not None:
             return self.lm_head_quant(hidden).float()
-        if self.native_head is not None and hidden.shape[0] <= NATIVE_HEAD_MAX_ROWS:
-            return q4_matmul(hidden.float(), self.native_head, threads=torch.get_num_threads())
         return ops.linear(hidden, self.lm_head_weight).float()
 
     # ---- weights -------------------------------------------------------------------------
