@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -18,6 +17,7 @@ import torch
 
 from .outputs import FinishReason, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
 from .sampling_params import SamplingParams
+from .stop_regex import StopRegexWatch
 
 _DONE = object()
 
@@ -123,6 +123,18 @@ class RequestHandle:
         return self.wait(0)
 
 
+def _held_back(text: str, end: int, stop: str) -> int:
+    """The length of the longest proper prefix of `stop` that `text[:end]` ends with (it may yet
+    become the stop string). Candidates are the tail's occurrences of the stop's first character,
+    earliest first, so each costs one bounded comparison and the text is never copied whole."""
+    i = text.find(stop[0], max(0, end - len(stop) + 1), end)
+    while i != -1:
+        if stop.startswith(text[i:end]):
+            return end - i
+        i = text.find(stop[0], i + 1, end)
+    return 0
+
+
 @dataclass(eq=False)  # identity semantics: the scheduler keeps requests in lists
 class Req:
     """A request as the scheduler sees it. Slots [0, cached_len) belong to the radix tree (locked
@@ -154,6 +166,7 @@ class Req:
     detok_read_offset: int = 0  # output_ids before this are in `detok_text` for good
     detok_text: str = ""  # text of output_ids[:read_offset]; `text` may add a pending tail
     stop_check_from: int = 0  # text before this was produced below min_new_tokens: stop regexes skip it
+    stop_regexes: StopRegexWatch | None = None  # linear-time matchers, made once stops may count
     _final: RequestMeta | None = None  # the finished request's accounting, taken once (final_meta)
     sent_text_len: int = 0
     sent_token_len: int = 0
@@ -248,11 +261,12 @@ class Req:
                 if self.finish_reason is None or self.finish_reason == "length":
                     self.finish_reason, self.matched_stop = "stop", stop
                 return
-        for pattern in self.params.stop_regex:
-            if re.search(pattern, self.text[self.stop_check_from:]):  # a regex's match length is unbounded
-                if self.finish_reason is None or self.finish_reason == "length":
-                    self.finish_reason, self.matched_stop = "stop", pattern
-                return
+        if self.params.stop_regex:  # over committed text only: a pending tail may still change
+            if self.stop_regexes is None:
+                self.stop_regexes = StopRegexWatch(self.params.stop_regex, start=self.stop_check_from)
+            pattern = self.stop_regexes.first_match(self.detok_text)
+            if pattern is not None and (self.finish_reason is None or self.finish_reason == "length"):
+                self.finish_reason, self.matched_stop = "stop", pattern
 
     def stream_safe_len(self) -> int:
         """How much of `text` can be sent: never half a multi-byte char or a possible stop prefix."""
@@ -262,10 +276,7 @@ class Req:
         while end > 0 and self.text[end - 1] == "\ufffd":
             end -= 1
         for stop in self.params.stop:
-            for k in range(min(len(stop) - 1, end), 0, -1):
-                if self.text[:end].endswith(stop[:k]):
-                    end -= k
-                    break
+            end -= _held_back(self.text, end, stop)
         return max(end, self.sent_text_len)
 
     def take_stream_chunk(self) -> StreamChunk | None:

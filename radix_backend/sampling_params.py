@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import InvalidRequestError
+from .stop_regex import compile_stop_regex
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +91,22 @@ class SamplingParams:
                 bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not all(isinstance(s, str) for s in self.stop):
             bad("stop must be a string or a list of strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            bad(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each "
+                "(every one is checked after every token)")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative ints")
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias, bad)
+        if len(self.stop_regex) > MAX_STOP_REGEXES:
+            bad(f"stop_regex takes at most {MAX_STOP_REGEXES} patterns")
         for pattern in self.stop_regex:
             if not isinstance(pattern, str):
                 bad("stop_regex must be a string or a list of strings")
             try:
-                re.compile(pattern)
-            except re.error as exc:
-                bad(f"stop_regex {pattern!r} is not a valid regular expression: {exc}")
+                compile_stop_regex(pattern)  # linear-time automaton; refuses what has none
+            except InvalidRequestError as exc:
+                bad(str(exc))
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 bad(f"{name} must be a string")
@@ -116,6 +121,9 @@ class SamplingParams:
 
 
 SEED_LIMIT = 2 ** 63
+MAX_STOP_STRINGS = 32  # OpenAI allows 4; frameworks pass a few
+MAX_STOP_CHARS = 256
+MAX_STOP_REGEXES = 8
 MAX_TOKENS_LIMIT = 2 ** 31 - 1
 _INT_RANGES = {"max_new_tokens": (0, MAX_TOKENS_LIMIT), "min_new_tokens": (0, MAX_TOKENS_LIMIT),
                "top_k": (-1, MAX_TOKENS_LIMIT), "top_logprobs": (0, 20)}
