@@ -258,3 +258,20 @@ def _drop_a_request(open_url: str, tiny_engine, caplog) -> None:
     assert not [r for r in caplog.records if r.levelname == "ERROR"], "no traceback for a client that left"
     metrics = httpx.get(open_url + "/metrics").text
     assert 'endpoint="/v1/completions",status="499"' in metrics
+
+
+def test_an_internal_error_names_an_id_not_its_exception_text(open_url: str, tiny_engine, monkeypatch, caplog) -> None:
+    """A 500 must not echo exception text (it can hold host paths or other requests' data): the
+    client gets an id, the log gets the details under it."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret /home/someone/model.gguf")
+
+    monkeypatch.setattr(tiny_engine, "submit", broken)
+    monkeypatch.setattr(tiny_engine, "agenerate", broken, raising=False)
+    with caplog.at_level("ERROR"):
+        r = _complete(open_url)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    message = r.json()["error"]["message"]
+    assert "secret" not in message and "/home" not in message and "RuntimeError" not in message
+    error_id = message.split("id ")[1].split(";")[0]
+    assert any(error_id in record.getMessage() and record.exc_info for record in caplog.records)

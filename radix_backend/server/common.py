@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -70,8 +71,9 @@ def error_response(exc: BaseException) -> JSONResponse:
         return error_json(CLIENT_CLOSED_REQUEST, str(exc), err_type="request_aborted", code="client_disconnected")
     if isinstance(exc, RequestAbortedError):
         return error_json(503, str(exc), err_type="request_aborted")
-    logger.exception("internal error", exc_info=exc)
-    return error_json(500, f"internal error: {type(exc).__name__}: {exc}", err_type="internal_error")
+    error_id = uuid.uuid4().hex[:12]  # the details go to the log only: exception text can hold paths or data
+    logger.error("internal error %s", error_id, exc_info=exc)
+    return error_json(500, f"internal error (id {error_id}; the server log has the details)", err_type="internal_error")
 
 
 # ============================================================================ handler state
