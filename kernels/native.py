@@ -21,13 +21,14 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
-from .user_cache import cache_dir
+from .user_cache import CACHE_ENV, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ def _cpu_identity() -> str:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
-    return "\n".join(sorted(set(lines)))
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part",
+            "isa", "uarch", "vendor_id", "cpu family", "model\t")  # x86, ARM and RISC-V spellings
+    lines = [ln for ln in info.splitlines() if ln.startswith(keys)]
+    return "\n".join([platform.machine(), *sorted(set(lines))])
 
 
 def _compiler() -> str | None:
@@ -81,9 +84,11 @@ def build(compiler: str, out_dir: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_identity()]).encode())
     target = out_dir / f"rb_cpu_kernels_{key.hexdigest()[:16]}.so"
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(out_dir)
     if target.exists():
+        check_private(target)  # loading a library runs its code: only ever one this user wrote
         return target
-    out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
@@ -91,10 +96,22 @@ def build(compiler: str, out_dir: Path, flags: tuple[str, ...] = FLAGS) -> Path:
                                 capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o700)  # whatever the umask: check_private must accept it on the next load
         os.replace(tmp, target)  # atomic: concurrent builders each publish a complete file
     finally:
         Path(tmp).unlink(missing_ok=True)
     return target
+
+
+def check_private(path: Path) -> None:
+    """Raise unless `path` is a directory or regular file (not a link) owned by this user and not
+    writable by others: a library planted in a shared cache would run as this user."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
+        raise RuntimeError(f"{path} is not a plain directory or file; refusing to load native kernels from it")
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"{path} is not owned by this user or is writable by others; refusing to load native "
+                           f"kernels from it (fix its owner/permissions, or point {CACHE_ENV} elsewhere)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,14 +163,57 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# ---- argument checks: the C code trusts its arguments, so every wrapper checks them first ----------
+def check_float32(name: str, t: torch.Tensor, dims: int) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dims:
+        raise ValueError(f"{name} must be a {dims}-d fp32 CPU tensor, got {t.dim()}-d {t.dtype} on {t.device}")
+
+
+def checked_indices(name: str, t: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """An int index tensor as the kernels read it: int64, contiguous, 1-d (of `length`)."""
+    if t.dtype not in (torch.int64, torch.int32) or t.dim() != 1 or (length is not None and t.numel() != length):
+        raise ValueError(f"{name} must be a 1-d int tensor{f' of {length}' if length is not None else ''}, "
+                         f"got {t.dim()}-d {t.dtype} with {t.numel()} entries")
+    return t.to(torch.int64).contiguous()
+
+
+def check_within(name: str, t: torch.Tensor, upper: int) -> None:
+    """Every entry of `t` in [0, upper)."""
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= upper):
+        raise ValueError(f"{name} holds values outside [0, {upper})")
+
+
+def check_ranges(name: str, starts: torch.Tensor, lens: torch.Tensor, total: int, min_len: int = 0) -> None:
+    """Ranges [starts[b], starts[b] + lens[b]) inside [0, total), each at least `min_len` long."""
+    if starts.numel() and (int(starts.min()) < 0 or int(lens.min()) < min_len or int((starts + lens).max()) > total):
+        raise ValueError(f"{name} ranges fall outside their {total} entries (or are shorter than {min_len})")
+
+
+def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """(query heads, kv heads) after checking q [T, Hq, D] against the caches [slots, Hkv, D]."""
+    check_float32("q", q, 3)
+    check_float32("k_cache", k_cache, 3)
+    check_float32("v_cache", v_cache, 3)
+    if k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    if q.shape[2] != k_cache.shape[2] or hkv == 0 or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} (head size, GQA groups)")
+    return hq, hkv
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      starts: torch.Tensor, lens: torch.Tensor, scale: float, with_lse: bool = False,
                      threads: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query row per request over its keys at `kv_indices[starts[b] : starts[b] + lens[b]]`,
     read from the pool in place. q [B, Hq, D]; caches [slots, Hkv, D]; returns (out [B, Hq, D],
     lse [B, Hq] or None). Every lens[b] must be >= 1 and every slot inside the pool."""
-    batch, hq, dim = q.shape
-    hkv = k_cache.shape[1]
+    hq, hkv = _check_attention(q, k_cache, v_cache)
+    batch, _, dim = q.shape
+    kv_indices = checked_indices("kv_indices", kv_indices)
+    starts, lens = checked_indices("starts", starts, batch), checked_indices("lens", lens, batch)
+    check_ranges("starts/lens", starts, lens, kv_indices.numel(), min_len=1)
+    check_within("kv_indices", kv_indices, k_cache.shape[0])
     q = q.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(batch, hq, dtype=torch.float32) if with_lse else None
@@ -178,11 +238,18 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     [q_starts[b], + q_lens[b]) and keys at `kv_indices[kv_starts[b] : + kv_lens[b]]`; causal: its
     new token i sees its first kv_lens[b] - q_lens[b] + i + 1 keys. q [T, Hq, D]; caches
     [slots, Hkv, D]; int64 index tensors; returns (out [T, Hq, D], lse [T, Hq] or None)."""
-    tokens, hq, dim = q.shape
-    hkv = k_cache.shape[1]
+    hq, hkv = _check_attention(q, k_cache, v_cache)
+    tokens, _, dim = q.shape
+    batch = q_starts.numel()
+    kv_indices = checked_indices("kv_indices", kv_indices)
+    q_starts, q_lens, kv_starts, kv_lens = (checked_indices(name, t, batch) for name, t in (
+        ("q_starts", q_starts), ("q_lens", q_lens), ("kv_starts", kv_starts), ("kv_lens", kv_lens)))
+    check_ranges("q_starts/q_lens", q_starts, q_lens, tokens)
+    check_ranges("kv_starts/kv_lens", kv_starts, kv_lens, kv_indices.numel())
+    if batch and causal and bool((kv_lens < q_lens).any()):
+        raise ValueError("causal attention needs kv_lens >= q_lens (the new tokens' keys are in the pool)")
+    check_within("kv_indices", kv_indices, k_cache.shape[0])
     q = q.contiguous()
-    kv_indices, q_starts, q_lens, kv_starts, kv_lens = (
-        t.to(torch.int64).contiguous() for t in (kv_indices, q_starts, q_lens, kv_starts, kv_lens))
     out = torch.empty_like(q)
     lse = torch.empty(tokens, hq, dtype=torch.float32) if with_lse else None
     rc = library().rb_extend_attention(
@@ -199,8 +266,11 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); with x None, (rms_norm(residual) * weight, residual)."""
-    residual = residual.contiguous()
     dim = residual.shape[-1]
+    if residual.dtype != torch.float32 or weight.shape != (dim,) or weight.dtype != torch.float32 \
+            or (x is not None and (x.shape != residual.shape or x.dtype != torch.float32)):
+        raise ValueError(f"add_rms_norm needs fp32 x and residual of one shape [..., {dim}] and a [{dim}] fp32 weight")
+    residual = residual.contiguous()
     out = torch.empty_like(residual)
     new_residual = residual if x is None else torch.empty_like(residual)
     x = None if x is None else x.contiguous()
@@ -216,9 +286,16 @@ def rope_rows_ok(x: torch.Tensor) -> bool:
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """Neox RoPE of x [T, H, D] (see `rope_rows_ok`) into a new contiguous tensor."""
+    if not rope_rows_ok(x) or x.dtype != torch.float32:
+        raise ValueError("rope needs fp32 x [T, H, D] with each row's heads contiguous")
     tokens, heads, dim = x.shape
+    rot = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or not cos_sin_cache.is_contiguous() \
+            or rot % 2 or rot > dim:
+        raise ValueError(f"the RoPE table must be contiguous fp32 [positions, rot] with an even rot <= {dim}")
+    positions = checked_indices("positions", positions, tokens)
+    check_within("positions", positions, cos_sin_cache.shape[0])
     out = torch.empty(tokens, heads, dim, dtype=x.dtype)
-    positions = positions.to(torch.int64).contiguous()
     library().rb_rope(x.data_ptr(), x.stride(0), tokens, heads, dim, positions.data_ptr(),
                       cos_sin_cache.data_ptr(), cos_sin_cache.shape[-1], out.data_ptr())
     return out
@@ -226,6 +303,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """fp32 or bf16 x [..., 2d]; computed in fp32 either way, returned in x's dtype."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs fp32 or bf16 x [..., 2d], got {x.dtype} [..., {x.shape[-1]}]")
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)

@@ -103,6 +103,7 @@ def q8_tiled_matmul(x: torch.Tensor, weight: TiledQ8, threads: int = 1, activati
     """x [M, K] @ W^T -> [M, N] fp32 with the activations as `activation_bits` integers per group
     of 32 (16: within ~2e-5 of fp32, as `q8_matmul`; 8: ~5e-3)."""
     native.check_activation_bits(activation_bits)
+    _check_input(x, weight.in_features)
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], weight.out_features)
     rc = native.library().rb_q8_tiled_matmul(ctypes.byref(weight.as_struct()), x.data_ptr(), x.shape[0],
@@ -114,9 +115,15 @@ def q8_tiled_matmul(x: torch.Tensor, weight: TiledQ8, threads: int = 1, activati
 
 def q8_matmul(x: torch.Tensor, weight: PackedQ8, threads: int = 1) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] fp32, the output rows split over `threads` threads."""
+    _check_input(x, weight.codes.shape[1])
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], weight.codes.shape[0])
     if native.library().rb_q8_matmul(ctypes.byref(weight.as_struct()), x.data_ptr(), x.shape[0], out.data_ptr(),
                                      threads):
         raise native.NativeKernelError("8-bit matmul could not allocate its scratch memory")
     return out
+
+
+def _check_input(x: torch.Tensor, width: int) -> None:
+    if x.dim() != 2 or x.shape[1] != width or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU [M, {width}] tensor, got {tuple(x.shape)} on {x.device}")

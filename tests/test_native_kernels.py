@@ -207,6 +207,35 @@ def test_the_library_builds_from_source_once_and_loads(tmp_path):
     mtime = built.stat().st_mtime_ns
     assert native.build(compiler, tmp_path) == built and built.stat().st_mtime_ns == mtime  # cache hit
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary files left
+    assert built.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_library_others_could_have_planted_is_never_loaded(tmp_path):
+    """Loading a library runs its code: the cached build must be this user's, writable by no one else."""
+    compiler = native._compiler()
+    shared = tmp_path / "shared"
+    built = native.build(compiler, shared)
+    built.chmod(0o766)  # group/others may write it: anyone could have swapped it
+    with pytest.raises(RuntimeError, match="writable by others"):
+        native.build(compiler, shared)
+    built.chmod(0o700)
+    shared.chmod(0o777)  # or swapped it within a shared directory
+    with pytest.raises(RuntimeError, match="writable by others"):
+        native.build(compiler, shared)
+    shared.chmod(0o700)
+    link_dir = tmp_path / "link"
+    link_dir.symlink_to(shared)
+    with pytest.raises(RuntimeError, match="not a plain directory"):
+        native.build(compiler, link_dir)
+    assert native.build(compiler, shared) == built
+
+
+def test_the_build_key_names_the_cpu_on_every_architecture(monkeypatch, tmp_path):
+    """An ARM /proc/cpuinfo has no "model name"/"flags" lines: its own lines key the build instead."""
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
+    monkeypatch.setattr(native.Path, "read_text", lambda self, *a, **k: arm)
+    identity = native._cpu_identity()
+    assert "Features\t: fp asimd sve" in identity and "CPU part\t: 0xd40" in identity
 
 
 def test_a_failing_compiler_is_reported(tmp_path):
@@ -247,3 +276,46 @@ def test_backend_plans_native_decode_only_for_decode_steps():
     extend = AttentionMetadata.build([10], [3], torch.arange(13), torch.tensor([10, 11, 12]), "cpu")
     backend.begin_forward(extend)
     assert backend._plan.native_lens is None and backend._plan.native_extend
+
+
+def test_wrappers_refuse_what_would_make_the_c_code_read_or_write_out_of_bounds():
+    """The C kernels trust their arguments; each wrapper checks shapes, dtypes and index ranges."""
+    k, v, q = torch.randn(10, 2, 16), torch.randn(10, 2, 16), torch.randn(1, 4, 16)
+    one = torch.tensor([0])
+    good = dict(kv_indices=torch.tensor([1, 2, 3]), starts=one, lens=torch.tensor([3]), scale=0.25)
+    native.decode_attention(q, k, v, **good)
+    native.decode_attention(q, k, v, **(good | {"kv_indices": torch.tensor([1, 2, 3], dtype=torch.int32)}))  # converted
+    for bad, match in [({"kv_indices": torch.tensor([1, 2, 10])}, "kv_indices"),
+                       ({"kv_indices": torch.tensor([-1, 2, 3])}, "kv_indices"),
+                       ({"lens": torch.tensor([4])}, "ranges"), ({"lens": torch.tensor([0])}, "ranges"),
+                       ({"starts": torch.tensor([0, 1])}, "starts"), ({"kv_indices": torch.tensor([1.0])}, "int")]:
+        with pytest.raises(ValueError, match=match):
+            native.decode_attention(q, k, v, **(good | bad))
+    with pytest.raises(ValueError, match="does not fit"):
+        native.decode_attention(torch.randn(1, 3, 16), k, v, **good)
+    with pytest.raises(ValueError, match="fp32"):
+        native.decode_attention(q.double(), k, v, **good)
+    ext = dict(kv_indices=torch.tensor([1, 2, 3]), q_starts=one, q_lens=torch.tensor([1]), kv_starts=one,
+               kv_lens=torch.tensor([3]), scale=0.25)
+    native.extend_attention(q, k, v, **ext)
+    for bad in ({"q_lens": torch.tensor([2])}, {"kv_lens": torch.tensor([4])}, {"kv_indices": torch.tensor([1, 2, 99])}):
+        with pytest.raises(ValueError):
+            native.extend_attention(q, k, v, **(ext | bad))
+    cache = torch.randn(8, 16)
+    native.rope(torch.randn(2, 2, 16), torch.tensor([0, 7]), cache)
+    with pytest.raises(ValueError, match="positions"):
+        native.rope(torch.randn(2, 2, 16), torch.tensor([0, 8]), cache)  # past the table
+    with pytest.raises(ValueError, match="even rot"):
+        native.rope(torch.randn(2, 2, 16), torch.tensor([0, 1]), torch.randn(8, 32))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2d\]"):
+        native.silu_and_mul(torch.randn(3, 7))  # an odd width wrote past the output
+    with pytest.raises(ValueError, match="weight"):
+        native.add_rms_norm(None, torch.randn(3, 8), torch.randn(7), 1e-6)
+
+
+def test_quantized_matmuls_check_the_input_width():
+    from radix_backend.kernels import q8
+
+    packed = q8.q8_0_codes(torch.randn(16, 64))
+    with pytest.raises(ValueError, match=r"\[M, 64\]"):
+        q8.q8_matmul(torch.randn(2, 32), packed)

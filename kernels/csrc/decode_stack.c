@@ -42,8 +42,8 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = d->intermediate;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
-    float *scratch = (float *)malloc(sizeof(float) * T * (H + qkv_size + 2 * q_size + 3 * I));
     if (activation_bits != 8 && activation_bits != 16) return -2;
+    float *scratch = (float *)malloc(sizeof(float) * T * (H + qkv_size + 2 * q_size + 3 * I));
     q4_activations quantized;
     if (!scratch || q4_activations_alloc(&quantized, T, widest, (int)(activation_bits / 8))) {
         free(scratch);
