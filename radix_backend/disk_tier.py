@@ -39,9 +39,12 @@ AllocFn = Callable[[int | None, int, int], "torch.Tensor | None"]  # (last_slot,
 
 def open_disk_tier(config: EngineConfig, runner: ModelRunner, tree: RadixCache, alloc: AllocFn) -> DiskTier:
     """The disk tier for this engine's model, its store named by the model's fingerprint."""
+    block_tokens = math.lcm(BLOCK_TOKENS, config.page_size)
+    pool = runner.kv_pool
+    layout = (pool.cfg.num_layers, block_tokens, pool.cfg.num_kv_heads, pool.cfg.head_dim)
     store = DiskKVStore(config.disk_cache_dir, model_fingerprint(runner.model.state_dict(), kv_identity(runner)),
-                        config.disk_cache_bytes)
-    return DiskTier(store, tree, runner.kv_pool, alloc, block_tokens=math.lcm(BLOCK_TOKENS, config.page_size),
+                        config.disk_cache_bytes, block_shape=layout, dtype=pool.dtype)
+    return DiskTier(store, tree, pool, alloc, block_tokens=block_tokens,
                     write_through_tokens=config.disk_cache_write_through_tokens)
 
 

@@ -11,9 +11,12 @@ One file per block, `<dir>/<fingerprint[:16]>/<hash>.kvb`:
     b"RXKV" + version (u32) + payload length (u64) + crc32 of payload (u32) + payload
 
 where the payload is safetensors (`k`, `v`: [layers, block_tokens, kv_heads, head_dim]; `tokens`)
-with the fingerprint in its metadata. A truncated or corrupted file (length, crc, header, tokens or
-fingerprint mismatch) is a miss with a warning and is removed. Files are written to a temporary
-name and renamed into place, so a reader (another process included) never sees half a file.
+with the fingerprint in its metadata. Files are read as untrusted input: only a regular file (no
+link, FIFO or device: opened with O_NOFOLLOW | O_NONBLOCK) no larger than a block file can be, whose
+length, crc, header, tensor names, shapes, dtypes, tokens and fingerprint all check out; anything
+else is a miss with a warning and is removed. Files are written to a temporary name and renamed into
+place, so a reader (another process included) never sees half a file. Directories are created
+0700 and files 0600: the blocks hold users' prompt tokens.
 
 Writes run on one background thread (copies of the KV are taken on the scheduler thread, which is
 all the critical path pays); the directory is kept under `capacity_bytes` by deleting the least
@@ -23,11 +26,14 @@ turns writing off with one warning: the cache goes on in memory only.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -47,8 +53,7 @@ FORMAT_VERSION = 1
 MAGIC = b"RXKV"
 _HEADER = struct.Struct("<4sIQI")  # magic, version, payload length, crc32
 SUFFIX = ".kvb"
-SAMPLE_CHUNKS = 64  # per tensor: bytes hashed for the fingerprint are at most SAMPLE_CHUNKS * SAMPLE_BYTES
-SAMPLE_BYTES = 4096
+MAX_HEADER_BYTES = 1 << 16  # a block file's safetensors header is ~300 bytes
 MAX_PENDING_BYTES = 1 << 30  # queued writes beyond this are dropped (the tier is best effort)
 READ_THREADS = min(4, os.cpu_count() or 1)  # file reads and crc32 release the GIL
 
@@ -73,29 +78,29 @@ class DiskStats:
     write_errors: int = 0
 
 
-def _sample(tensor: torch.Tensor) -> bytes:
-    """Bytes of `tensor` for the fingerprint: all of a small one, evenly spaced chunks of a big one."""
-    flat = tensor.detach().reshape(-1).contiguous()
-    if not flat.numel():
-        return b""
-    raw = flat.view(torch.uint8)
-    n = raw.numel()
-    if n <= SAMPLE_CHUNKS * SAMPLE_BYTES:
-        return raw.cpu().numpy().tobytes()
-    step = n // SAMPLE_CHUNKS
-    return b"".join(raw[i * step:i * step + SAMPLE_BYTES].cpu().numpy().tobytes() for i in range(SAMPLE_CHUNKS))
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """All of a tensor's bytes, for the fingerprint."""
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
               "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-def _read_file(path: Path) -> bytearray:
-    """The whole file in one writable buffer (tensors are viewed over it without copying)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data = bytearray(size)
-        if f.readinto(data) != size:
+def _read_file(path: Path, max_bytes: int) -> bytearray:
+    """The whole file in one writable buffer (tensors are viewed over it without copying). Only a
+    regular file of at most `max_bytes`: a link is not followed, a FIFO does not block the reader,
+    a huge (or sparse) file is not allocated for."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb", closefd=True) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptEntry("not a regular file")
+        if info.st_size > max_bytes:
+            raise CorruptEntry(f"{info.st_size} bytes, more than a block file holds ({max_bytes})")
+        data = bytearray(info.st_size)
+        if f.readinto(data) != info.st_size:
             raise CorruptEntry("file changed size while being read")
     return data
 
@@ -104,6 +109,8 @@ def _safetensors_views(data: bytearray, start: int) -> tuple[dict[str, str], dic
     """Parse the safetensors document at `data[start:]` (8-byte header size, JSON header, data)
     and return its metadata and tensors viewing `data` (safetensors' own loader would copy)."""
     header_len = struct.unpack_from("<Q", data, start)[0]
+    if header_len > MAX_HEADER_BYTES:
+        raise ValueError(f"safetensors header of {header_len} bytes")
     header = json.loads(bytes(data[start + 8:start + 8 + header_len]))
     meta = header.pop("__metadata__", None) or {}
     base = start + 8 + header_len
@@ -120,14 +127,15 @@ def _safetensors_views(data: bytearray, start: int) -> tuple[dict[str, str], dic
 
 
 def model_fingerprint(state: dict[str, torch.Tensor], identity: dict[str, Any]) -> str:
-    """Hex sha256 naming the model whose KV a store holds: every tensor's name, shape, dtype and a
-    sample of its bytes (the first 256 KB spread over it), plus `identity` (config, KV dtype,
-    quantization mode...) and the file format version."""
+    """Hex sha256 naming the model whose KV a store holds: every tensor's name, shape, dtype and
+    all its bytes (two checkpoints that differ anywhere must not share KV; ~0.3 s per GB, paid only
+    when the disk tier is on), plus `identity` (config, KV dtype, quantization mode...) and the
+    file format version."""
     h = hashlib.sha256(json.dumps({"format": FORMAT_VERSION, **identity}, sort_keys=True, default=str).encode())
     for name in sorted(state):
         t = state[name]
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-        h.update(_sample(t))
+        h.update(_tensor_bytes(t))
     return h.hexdigest()
 
 
@@ -172,16 +180,21 @@ class _WriterState:
 class DiskKVStore:
     """Block files of one model under `root/<fingerprint[:16]>`; see the module docstring."""
 
-    def __init__(self, root: str | os.PathLike[str], fingerprint: str, capacity_bytes: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], fingerprint: str, capacity_bytes: int,
+                 block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.fingerprint = fingerprint
         self.capacity_bytes = int(capacity_bytes)
+        self.block_shape, self.dtype = tuple(block_shape), dtype  # every block's K and V: [layers, tokens, heads, dim]
+        block_bytes = math.prod(self.block_shape) * torch.empty((), dtype=dtype).element_size()
+        self.max_file_bytes = _HEADER.size + 8 + MAX_HEADER_BYTES + 2 * block_bytes + 8 * self.block_shape[1]
         self.dir = Path(root) / fingerprint[:16]
         self.stats = DiskStats()
         self._lock = threading.Lock()
         self._writer = _WriterState()
         self._known: set[str] = set()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            Path(root).mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, exist_ok=True)
             self._known = {p.name[:-len(SUFFIX)] for p in os.scandir(self.dir) if p.name.endswith(SUFFIX)}
         except OSError as exc:
             self._disable_writes(f"cannot use {self.dir}: {exc}")
@@ -209,20 +222,19 @@ class DiskKVStore:
         """The block `name`, checked; None (a miss) when absent or untrustworthy."""
         path = self.path(name)
         try:
-            data = _read_file(path)
+            data = _read_file(path, self.max_file_bytes)
+            block = self._decode(data, expected_tokens)
         except FileNotFoundError:
             self._forget(name)
             return None
         except OSError as exc:
-            logger.warning("disk KV cache: cannot read %s (%s); computing instead", path, exc)
+            if exc.errno != errno.ELOOP:  # permissions, I/O: leave the file, compute instead
+                logger.warning("disk KV cache: cannot read %s (%s); computing instead", path, exc)
+                return None
+            self._drop_corrupt(name, CorruptEntry("a symbolic link, not a block file"))
             return None
-        try:
-            block = self._decode(data, expected_tokens)
-        except CorruptEntry as exc:
-            with self._lock:
-                self.stats.corrupt_entries += 1
-            logger.warning("disk KV cache: ignoring %s (%s); computing instead", path.name, exc)
-            self._remove(name)
+        except Exception as exc:  # noqa: BLE001 - any malformed block is a miss, never an error for the request
+            self._drop_corrupt(name, exc if isinstance(exc, CorruptEntry) else CorruptEntry(f"{type(exc).__name__}: {exc}"))
             return None
         try:
             os.utime(path)  # LRU recency, shared with other processes through the file system
@@ -232,6 +244,13 @@ class DiskKVStore:
             self.stats.blocks_read += 1
             self.stats.bytes_read += len(data)
         return block
+
+    def _drop_corrupt(self, name: str, exc: CorruptEntry) -> None:
+        """Count and log an untrustworthy block file, then remove it (a later write replaces it)."""
+        with self._lock:
+            self.stats.corrupt_entries += 1
+        logger.warning("disk KV cache: ignoring %s (%s); computing instead", self.path(name).name, exc)
+        self._remove(name)
 
     def read_run(self, names: Sequence[str], tokens: Sequence[Sequence[int]]) -> list[KVBlock]:
         """The longest leading run of `names` that reads back intact (files read in parallel)."""
@@ -257,11 +276,18 @@ class DiskKVStore:
             raise CorruptEntry("checksum mismatch")
         try:
             meta, tensors = _safetensors_views(data, _HEADER.size)
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - json, struct, shapes: all one thing, a bad payload
             raise CorruptEntry(f"bad safetensors payload: {exc}") from exc
-        if meta.get("fingerprint") != self.fingerprint:
+        if not isinstance(meta, dict) or meta.get("fingerprint") != self.fingerprint:
             raise CorruptEntry("written by another model or format")
-        if tensors["tokens"].tolist() != list(expected_tokens):
+        if set(tensors) != {"k", "v", "tokens"}:
+            raise CorruptEntry(f"tensors {sorted(tensors)}, not k, v, tokens")
+        for kv in ("k", "v"):
+            if tuple(tensors[kv].shape) != self.block_shape or tensors[kv].dtype != self.dtype:
+                raise CorruptEntry(f"{kv} is {tuple(tensors[kv].shape)} {tensors[kv].dtype}, the pool's blocks "
+                                   f"{self.block_shape} {self.dtype}")
+        tokens = tensors["tokens"]
+        if tokens.dtype != torch.int64 or tokens.tolist() != list(expected_tokens):
             raise CorruptEntry("tokens differ from the block's name")
         return KVBlock(tensors["k"], tensors["v"])
 
@@ -325,7 +351,8 @@ class DiskKVStore:
         final = self.path(job.name)
         tmp = self.dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
         try:
-            with open(tmp, "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600),
+                      "wb") as f:
                 f.write(data)
             os.replace(tmp, final)  # atomic: readers see the old state or the whole file
         finally:
