@@ -275,3 +275,35 @@ def test_an_internal_error_names_an_id_not_its_exception_text(open_url: str, tin
     assert "secret" not in message and "/home" not in message and "RuntimeError" not in message
     error_id = message.split("id ")[1].split(";")[0]
     assert any(error_id in record.getMessage() and record.exc_info for record in caplog.records)
+
+
+def test_without_a_key_a_loopback_server_answers_loopback_hosts_only(open_url: str) -> None:
+    """DNS rebinding: a page on evil.example resolves its name to 127.0.0.1 and drives the server;
+    its requests carry Host: evil.example (and a browser's cross-site POST an Origin)."""
+    port = open_url.rsplit(":", 1)[1]
+    for headers in ({"Host": f"evil.example:{port}"}, {"Origin": "https://evil.example"},
+                    {"Host": f"localhost:{port}", "Origin": "http://evil.example:80"}):
+        r = httpx.post(open_url + "/flush_cache", headers=headers)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", headers
+    for headers in ({"Host": f"localhost:{port}"}, {"Host": f"127.0.0.1:{port}", "Origin": f"http://localhost:{port}"},
+                    {"Host": f"[::1]:{port}"}):
+        assert httpx.post(open_url + "/flush_cache", headers=headers).status_code == 200, headers
+
+
+def test_a_post_body_must_be_json(open_url: str) -> None:
+    """A cross-site form post sends text/plain or form encoding without a preflight: refused."""
+    body = json.dumps({"model": _model(open_url), "prompt": "Hi", "max_tokens": 2})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = httpx.post(open_url + "/v1/completions", content=body, headers={"Content-Type": content_type})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", content_type
+    ok = httpx.post(open_url + "/v1/completions", content=body,
+                    headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60)
+    assert ok.status_code == 200
+    assert httpx.post(open_url + "/flush_cache").status_code == 200  # bodiless POSTs (SGLang's client) still work
+
+
+def test_a_keyed_or_deliberately_exposed_server_answers_any_host(keyed_url: str, tiny_engine) -> None:
+    assert httpx.get(keyed_url + "/metrics", headers={"Host": "api.example.com", "Authorization": f"Bearer {KEY}"}
+                     ).status_code == 200
+    with ServerThread(create_app(tiny_engine, any_host=True)) as srv:  # `serve --host 0.0.0.0` without a key
+        assert httpx.get(srv.url + "/metrics", headers={"Host": "box.lan:8000"}).status_code == 200

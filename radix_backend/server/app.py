@@ -94,18 +94,20 @@ class _MetricsMiddleware:
 
 def create_app(engine: EngineLike, *, served_model_name: str | None = None, model_path: str | None = None,
                incremental_streaming_output: bool = False, api_key: str | None = None,
-               limits: ServerLimits | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, any_host: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (an Engine, or anything with its API such as the
     data-parallel `Router`). The engine is not shut down by the app; `serve()` does that.
     `model_path` is the name clients see (default: the model as the engine was given it).
-    `api_key` (else $RADIX_BACKEND_API_KEY) guards every route but /health; `limits` bound sizes."""
+    `api_key` (else $RADIX_BACKEND_API_KEY) guards every route but /health; `limits` bound sizes;
+    without a key only loopback Host/Origin headers are answered unless `any_host` (a server bound
+    beyond loopback on purpose)."""
     state = ServerState(engine, served_model_name, model_path, incremental_streaming_output, limits)
     app = FastAPI(title="radix-backend", version="0.1.0")
     app.state.server = state
     endpoints = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics",
                  "/get_model_info", "/model_info", "/get_server_info", "/server_info", "/health_generate",
                  "/flush_cache"}
-    app.add_middleware(AccessGuard, api_key=resolve_api_key(api_key), limits=state.limits)
+    app.add_middleware(AccessGuard, api_key=resolve_api_key(api_key), limits=state.limits, any_host=any_host)
     app.add_middleware(_MetricsMiddleware, metrics=state.metrics, endpoints=endpoints)  # outermost: counts 401/413
 
     @app.exception_handler(RequestValidationError)
@@ -289,7 +291,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 3000
     engine = build_engine(model, dp_size=dp_size, router_policy=router_policy, **engine_kwargs)
     try:
         app = create_app(engine, served_model_name=served_model_name, model_path=model,
-                         incremental_streaming_output=incremental_streaming_output, api_key=api_key, limits=limits)
+                         incremental_streaming_output=incremental_streaming_output, api_key=api_key, limits=limits,
+                         any_host=not is_loopback(host))
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     finally:
         engine.shutdown()

@@ -1,9 +1,12 @@
-"""What stands between the network and the handlers: the API key, the request-size limits.
+"""What stands between the network and the handlers: the API key, the host check, the body rules.
 
 Follows vLLM's and SGLang's conventions: with an API key set (`--api-key` or the environment
 variable RADIX_BACKEND_API_KEY), every route except `/health` needs `Authorization: Bearer KEY`;
-a wrong or missing key is a 401 in OpenAI's error shape. A body over `max_body_bytes` is a 413
-before any handler parses it.
+a wrong or missing key is a 401 in OpenAI's error shape. Without a key a loopback server answers
+only requests whose Host (and Origin, when a browser sends one) names a loopback address: a web
+page cannot reach it through DNS rebinding or a cross-site form post (403). A body over
+`max_body_bytes` is a 413 before any handler parses it, and a POST body must be JSON (415): a
+browser cannot send that cross-site without a CORS preflight, which the server never grants.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 API_KEY_ENV = "RADIX_BACKEND_API_KEY"
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
@@ -48,6 +52,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_name(value: str) -> str:
+    """The host of a Host header or an Origin URL, without port or IPv6 brackets, lower case."""
+    netloc = urlsplit(value).netloc if "://" in value else value
+    host = netloc.rsplit("@", 1)[-1]
+    if host.startswith("["):
+        return host[1:host.find("]")].lower() if "]" in host else host.lower()
+    return host.split(":", 1)[0].lower()
+
+
 def _error_body(message: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                  "code": code}}).encode()
@@ -65,10 +78,11 @@ class AccessGuard:
     """Pure ASGI middleware: checks the API key, then reads the body up to the size limit (by its
     Content-Length when sent, else while receiving) and replays it to the app."""
 
-    def __init__(self, app: Any, api_key: str | None, limits: ServerLimits) -> None:
+    def __init__(self, app: Any, api_key: str | None, limits: ServerLimits, any_host: bool = False) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.limits = limits
+        self.check_host = self.api_key is None and not any_host  # any_host: bound beyond loopback on purpose
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -78,6 +92,10 @@ class AccessGuard:
         if self.api_key is not None and scope.get("path") not in OPEN_PATHS and not self._authorized(headers):
             await _send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                               "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+            return
+        if self.check_host and not self._local(headers):
+            await _send_error(send, 403, "this server answers loopback hosts only (set an API key to serve others)",
+                              "host_not_allowed")
             return
         limit = self.limits.max_body_bytes
         declared = headers.get(b"content-length")
@@ -100,7 +118,24 @@ class AccessGuard:
                 return
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        body = b"".join(chunks)
+        content_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if body and content_type != b"application/json":
+            await _send_error(send, 415, "a request body must be JSON (Content-Type: application/json)",
+                              "unsupported_media_type")
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    @staticmethod
+    def _local(headers: dict[bytes, bytes]) -> bool:
+        """Host names a loopback address, and so does Origin when present."""
+        for name in (b"host", b"origin"):
+            value = headers.get(name)
+            if value is None and name == b"origin":
+                continue
+            if value is None or not is_loopback(host_name(value.decode("latin-1"))):
+                return False
+        return True
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         given = headers.get(b"authorization", b"")
