@@ -51,13 +51,17 @@ def test_worker_argv_keeps_user_flags_and_drops_fleet_flags() -> None:
 
 
 def test_gateway_command_and_worker_envs() -> None:
-    cmd = launcher.gateway_command(["http://a:1", "http://b:2"], host="0.0.0.0", port=30000, policy="round_robin",
-                                   api_key="k", metrics_port=29999, extra_args=["--log-level", "warn"])
-    assert cmd[:3] == [sys.executable, "-m", "smg.launch_router"]
+    launch = launcher.gateway_command(["http://a:1", "http://b:2"], host="0.0.0.0", port=30000, policy="round_robin",
+                                      api_key="sk-secret", metrics_port=29999, extra_args=["--log-level", "warn"])
+    cmd = launch.argv
+    assert cmd[:2] == [sys.executable, "-c"] and "smg.launch_router" in cmd[2]
     text = " ".join(cmd)
     assert "--worker-urls http://a:1 http://b:2" in text and "--policy round_robin" in text
-    assert "--api-key k" in text and "--prometheus-host 127.0.0.1 --prometheus-port 29999" in text
+    assert "--prometheus-host 127.0.0.1 --prometheus-port 29999" in text
     assert cmd[-2:] == ["--log-level", "warn"]
+    # the key never reaches the command line, which `ps` shows every local user
+    assert "sk-secret" not in text and launch.env[launcher.GATEWAY_KEY_ENV] == "sk-secret"
+    assert launcher.GATEWAY_KEY_ENV not in launcher.gateway_command(["http://a:1"], host="h", port=1).env
     with pytest.raises(ValueError, match="policy"):
         launcher.gateway_command(["http://a:1"], host="h", port=1, policy="fastest")
     with pytest.raises(ValueError, match="worker"):
@@ -115,7 +119,7 @@ def tiny_fleet(model_dir: Path, n: int, policy: str = "cache_aware", api_key: st
                               "--log-level", "warning", "--dp-size", str(n), "--router-policy", policy,
                               "--port", str(launcher.free_port()), *extra)
     fleet = launcher.local_fleet(args, parser)
-    fleet.gateway_cmd += ["--log-level", "warn", "--health-check-interval-secs", "1"]
+    fleet.gateway.argv += ["--log-level", "warn", "--health-check-interval-secs", "1"]
     return fleet
 
 
@@ -163,6 +167,8 @@ def test_gateway_passes_the_api_key_through(tiny_llama_dir: Path) -> None:
         out = greedy(fleet.gateway_url, "hi", Authorization="Bearer sekret")
         assert out["choices"][0]["message"]["content"]
         assert httpx.get(fleet.worker_urls[0] + "/v1/models").status_code == 401  # workers want the key too
+        for proc in fleet.processes:  # what `ps` shows any local user
+            assert b"sekret" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
 
 
 @needs_gateway

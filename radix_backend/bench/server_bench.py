@@ -196,7 +196,7 @@ def run_through_gateway(workers: int, policy: str, *, model: str | None = None,
     argv = ["--dp-size", str(workers), "--router-policy", policy, "--port", str(free_port()), "--log-level", "warning"]
     argv += (["--model", model] if model else []) + (["--kv-cache-tokens", str(kv_cache_tokens)] if kv_cache_tokens else [])
     fleet = local_fleet(parser.parse_args(argv), parser)
-    fleet.gateway_cmd += ["--log-level", "warn"]
+    fleet.gateway.argv += ["--log-level", "warn"]
     with fleet:
         out = run(base_url=fleet.gateway_url, **load)
         stats = [httpx.get(u + "/get_server_info", timeout=30).json()["cache_stats"] for u in fleet.worker_urls]

@@ -56,23 +56,40 @@ def local_url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
 
 
+# The gateway takes its API key only as a flag, which `ps` shows every local user. So it starts
+# through this bootstrap, which appends the flag inside the process from an environment variable
+# (readable by this user only) and removes the variable.
+GATEWAY_KEY_ENV = "RADIX_BACKEND_GATEWAY_API_KEY"
+_GATEWAY_BOOTSTRAP = (f"import os, sys; from {GATEWAY_MODULE} import launch_router, parse_router_args; "
+                      f"key = os.environ.pop({GATEWAY_KEY_ENV!r}, ''); "
+                      "launch_router(parse_router_args(sys.argv[1:] + (['--api-key', key] if key else [])))")
+
+
+@dataclass
+class GatewayLaunch:
+    """How to start the gateway: its argv (no secret in it) and its environment (the key, if any)."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
 def gateway_command(worker_urls: Sequence[str], *, host: str, port: int, policy: str = "cache_aware",
                     api_key: str | None = None, metrics_port: int | None = None,
-                    health_check_interval_s: int = 5, extra_args: Sequence[str] = ()) -> list[str]:
-    """argv of the gateway process (run with this Python, where the `[scale]` extra lives)."""
+                    health_check_interval_s: int = 5, extra_args: Sequence[str] = ()) -> GatewayLaunch:
+    """The gateway process (run with this Python, where the `[scale]` extra lives); with `api_key`
+    it asks clients for the key and sends it on to the workers."""
     if not worker_urls:
         raise InvalidRequestError("the gateway needs at least one worker URL")
     if policy not in GATEWAY_POLICIES:
         raise InvalidRequestError(f"policy must be one of {', '.join(GATEWAY_POLICIES)}; got {policy!r}")
-    cmd = [sys.executable, "-m", GATEWAY_MODULE, "--worker-urls", *worker_urls, "--policy", policy,
+    cmd = [sys.executable, "-c", _GATEWAY_BOOTSTRAP, "--worker-urls", *worker_urls, "--policy", policy,
            "--host", host, "--port", str(port), "--health-check-interval-secs", str(health_check_interval_s),
            # the gateway's own /metrics listener: loopback, and a port of its own (default 29000 collides)
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port or free_port()),
            # on SIGTERM it waits for in-flight requests, by default up to 180 s
-           "--shutdown-grace-period-secs", "10"]
-    if api_key:  # the gateway then asks clients for it and sends it on to the workers
-        cmd += ["--api-key", api_key]
-    return cmd + list(extra_args)
+           "--shutdown-grace-period-secs", "10", *extra_args]
+    env = {k: v for k, v in os.environ.items() if k != GATEWAY_KEY_ENV} | ({GATEWAY_KEY_ENV: api_key} if api_key else {})
+    return GatewayLaunch(cmd, env)
 
 
 def worker_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, port: int) -> list[str]:
@@ -136,11 +153,11 @@ class Fleet:
     worker_cmds: list[list[str]]
     worker_envs: list[dict[str, str]]
     worker_urls: list[str]
-    gateway_cmd: list[str] | None
+    gateway: GatewayLaunch | None
     gateway_url: str | None
     api_key: str | None = None
     workers: list[subprocess.Popen] = field(default_factory=list)
-    gateway: subprocess.Popen | None = None
+    gateway_proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> Fleet:
         try:
@@ -148,10 +165,10 @@ class Fleet:
                 self.workers.append(subprocess.Popen(cmd, env=env))
             for url, proc in zip(self.worker_urls, self.workers):
                 wait_healthy(url, proc, timeout_s)
-            if self.gateway_cmd is not None:
+            if self.gateway is not None:
                 # its banner and logs go to stderr, so stdout keeps only what radix-backend reports
-                self.gateway = subprocess.Popen(self.gateway_cmd, stdout=sys.stderr)
-                wait_healthy(self.gateway_url, self.gateway, 120, self.api_key)
+                self.gateway_proc = subprocess.Popen(self.gateway.argv, env=self.gateway.env, stdout=sys.stderr)
+                wait_healthy(self.gateway_url, self.gateway_proc, 120, self.api_key)
         except BaseException:
             self.stop()
             raise
@@ -159,7 +176,7 @@ class Fleet:
 
     @property
     def processes(self) -> list[subprocess.Popen]:
-        return self.workers + ([self.gateway] if self.gateway is not None else [])
+        return self.workers + ([self.gateway_proc] if self.gateway_proc is not None else [])
 
     def wait(self) -> int:
         """Block until a process exits (then stop the rest) and return its exit code."""
@@ -173,7 +190,7 @@ class Fleet:
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop the gateway first (no new requests reach the workers), then the workers: SIGTERM,
         and SIGKILL for whatever has not exited within `grace_s`."""
-        for group in ([self.gateway] if self.gateway else [], self.workers):
+        for group in ([self.gateway_proc] if self.gateway_proc else [], self.workers):
             for proc in group:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -244,9 +261,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def run_gateway(args: argparse.Namespace) -> int:
     """`radix-backend gateway`: the gateway alone, in the foreground."""
     require_gateway()
-    cmd = gateway_command(args.worker_urls, host=args.host, port=args.port, policy=args.policy,
-                          api_key=args.api_key or os.environ.get(API_KEY_ENV),
-                          health_check_interval_s=args.health_check_interval_secs, extra_args=args.gateway_arg)
-    fleet = Fleet([], [], list(args.worker_urls), cmd, local_url(args.host, args.port),
+    launch = gateway_command(args.worker_urls, host=args.host, port=args.port, policy=args.policy,
+                             api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                             health_check_interval_s=args.health_check_interval_secs, extra_args=args.gateway_arg)
+    fleet = Fleet([], [], list(args.worker_urls), launch, local_url(args.host, args.port),
                   args.api_key or os.environ.get(API_KEY_ENV))
     return run_fleet(fleet)
