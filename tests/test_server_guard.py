@@ -4,6 +4,7 @@ keeps serving. Runs on the tiny model (real engine, real validation)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import httpx
@@ -87,6 +88,16 @@ def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, capsys) -> Non
     app_module.serve(host="127.0.0.1")
     app_module.serve(host="0.0.0.0", api_key="k")
     assert "without an API key" not in capsys.readouterr().err
+    from radix_backend.server import launcher
+
+    monkeypatch.setattr(launcher, "local_fleet", lambda *a, **k: None)
+    monkeypatch.setattr(launcher, "run_fleet", lambda fleet: 0)
+    for host, key, warned in (("0.0.0.0", None, True), ("127.0.0.1", None, False), ("0.0.0.0", "k", False)):
+        args = app_module.add_serve_args(argparse.ArgumentParser()).parse_args(
+            ["--dp-size", "2", "--host", host, *(["--api-key", key] if key else [])])
+        with pytest.raises(SystemExit):
+            app_module.run_serve(args)  # the gateway fleet, as `serve --dp-size 2` starts it
+        assert ("without an API key" in capsys.readouterr().err) == warned, host
 
 
 # ---------------------------------------------------------------------------- exposure

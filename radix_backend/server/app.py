@@ -333,6 +333,9 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.dp_size > 1 and args.dp_mode == "process":
         from .launcher import local_fleet, run_fleet
 
+        if resolve_api_key(args.api_key) is None and not is_loopback(args.host):
+            warn_unprotected(args.host)  # the gateway is what listens on --host
+
         raise SystemExit(run_fleet(local_fleet(args, add_serve_args(argparse.ArgumentParser()))))
     if args.router_policy not in ROUTER_POLICIES:
         raise SystemExit(f"--router-policy {args.router_policy} needs --dp-mode process (in-process router: "
