@@ -276,7 +276,10 @@ class ConstraintCompiler:
 
     def compile(self, params: SamplingParams) -> TokenConstraint | None:
         """A fresh TokenConstraint for the request, None without a constraint; ConstraintError if invalid."""
-        spec = constraint_spec(params)
+        try:
+            spec = constraint_spec(params)
+        except RecursionError:
+            raise ConstraintError("json_schema is nested too deeply") from None
         if spec is None:
             return None
         return self.compile_spec(spec)
@@ -302,6 +305,21 @@ class ConstraintCompiler:
             return CompileCacheInfo(self._hits, self._misses, len(self._cache))
 
     def _build(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
+        """Compile `spec`; every failure is a ConstraintError (a 400), including a schema nested too
+        deep for Python's recursion and a panic inside llguidance (which Python raises as a
+        BaseException)."""
+        try:
+            return self._compile(spec)
+        except ConstraintError:
+            raise
+        except RecursionError:
+            raise ConstraintError(f"{spec.kind} is nested too deeply to compile") from None
+        except BaseException as exc:
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise ConstraintError(f"{spec.kind} could not be compiled: {_first_line(str(exc))}") from None
+
+    def _compile(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
         grammar = _grammar_text(spec)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if is_error:

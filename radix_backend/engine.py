@@ -7,10 +7,12 @@ thread at submit time, so bad input raises there and never reaches the scheduler
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +26,8 @@ from .outputs import ChoiceScore, GenerateOutput, StreamChunk
 from .request import Req, RequestHandle
 from .sampling_params import SamplingParams, check_encodable
 from .scheduler import Scheduler
+
+PREP_THREADS = 4  # concurrent request preparations (tokenizing, templating, grammar compiling) per engine
 
 Prompt = str
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant", "content": str}
@@ -72,6 +76,8 @@ class Engine:
         self._ids = itertools.count()
         self._compiler = None
         self._compiler_lock = threading.Lock()
+        # async callers' tokenizing, chat templating and grammar compiling run here, off their event loop
+        self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="radix-prep")
         self.scheduler = Scheduler(self.runner, self.config, decode=self.decode)
 
     # ---- tokenizer helpers --------------------------------------------------------------------
@@ -225,9 +231,28 @@ class Engine:
         outputs = [h.wait(timeout) for h in handles]
         return outputs if batched else outputs[0]
 
+    async def _off_loop(self, submit: Callable[[], Any]) -> Any:
+        """Run `submit` (which tokenizes, templates, compiles grammars and submits requests) on the
+        preparation threads: on hostile input that takes seconds, and the caller's event loop (a
+        server's, shared by every client) must keep serving. If the caller is cancelled meanwhile,
+        whatever `submit` submitted is aborted when it returns."""
+        future = asyncio.get_running_loop().run_in_executor(self._prep, submit)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._abort_submitted)
+            raise
+
+    def _abort_submitted(self, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        result = future.result()
+        for handle in result[0] if isinstance(result, tuple) else [result]:
+            self.abort(handle.rid)
+
     async def agenerate(self, prompt=None, params=None, *, input_ids=None, messages=None):
         """Async `generate`: awaits without blocking the event loop; cancelling aborts the requests."""
-        handles, batched = self._submit_many(prompt, params, input_ids, messages)
+        handles, batched = await self._off_loop(lambda: self._submit_many(prompt, params, input_ids, messages))
         try:
             outputs = [await h.await_result() for h in handles]
         except BaseException:
@@ -248,7 +273,8 @@ class Engine:
                 self.abort(handle.rid)
 
     async def astream(self, prompt=None, params=None, *, input_ids=None, messages=None) -> AsyncIterator[StreamChunk]:
-        handle = self.submit(prompt, params, input_ids=input_ids, messages=messages, stream=True)
+        handle = await self._off_loop(lambda: self.submit(prompt, params, input_ids=input_ids, messages=messages,
+                                                          stream=True))
         try:
             async for chunk in handle.aiter_chunks():
                 yield chunk
@@ -345,6 +371,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        self._prep.shutdown(wait=False, cancel_futures=True)
         self.runner.shutdown()  # stops tensor-parallel worker processes
 
     def __enter__(self) -> "Engine":

@@ -116,6 +116,12 @@ class SamplingParams:
         if self.choices is not None and (not isinstance(self.choices, list) or not self.choices
                                          or not all(isinstance(c, str) for c in self.choices)):
             bad("choices must be a non-empty list of strings")
+        if self.choices is not None and len(self.choices) > MAX_CHOICES:
+            bad(f"choices takes at most {MAX_CHOICES} strings")
+        constraint_chars = sum(map(len, [*(self.choices or []), self.regex or "", self.grammar or ""]))
+        if constraint_chars > MAX_CONSTRAINT_CHARS:
+            bad(f"the constraint (regex, grammar or choices) is {constraint_chars} characters; at most "
+                f"{MAX_CONSTRAINT_CHARS} (compiling it holds up other requests)")
         for text in [*self.stop, *self.stop_regex, *(self.choices or []), self.regex or "", self.grammar or ""]:
             check_encodable(text, "SamplingParams")
 
@@ -124,6 +130,8 @@ SEED_LIMIT = 2 ** 63
 MAX_STOP_STRINGS = 32  # OpenAI allows 4; frameworks pass a few
 MAX_STOP_CHARS = 256
 MAX_STOP_REGEXES = 8
+MAX_CHOICES = 4096
+MAX_CONSTRAINT_CHARS = 1 << 18  # a grammar, a regex or all choices together (a JSON schema: the server's body cap)
 MAX_TOKENS_LIMIT = 2 ** 31 - 1
 _INT_RANGES = {"max_new_tokens": (0, MAX_TOKENS_LIMIT), "min_new_tokens": (0, MAX_TOKENS_LIMIT),
                "top_k": (-1, MAX_TOKENS_LIMIT), "top_logprobs": (0, 20)}

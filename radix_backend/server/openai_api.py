@@ -6,6 +6,7 @@ served there with the other model-info endpoints.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -28,7 +29,9 @@ from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompleti
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    """Register /v1/completions and /v1/chat/completions on `app`, served from `state`."""
+    """Register /v1/completions and /v1/chat/completions on `app`, served from `state`. What
+    tokenizes or renders templates runs in worker threads (`asyncio.to_thread`): a 4 MB prompt takes
+    seconds, and the event loop serves every other client meanwhile."""
     engine = state.engine
 
     # ------------------------------------------------------------------ completions
@@ -42,12 +45,16 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
             raise InvalidRequestError("best_of must equal n (or be omitted)")
         if req.echo and req.logprobs is not None:
             raise InvalidRequestError("echo together with logprobs is not supported")
-        inputs_list = state.completion_inputs(req.prompt)
         want_lp = req.logprobs is not None
-        params_list = [_openai_params(req, state.max_new_tokens(req.max_tokens, inp), logprobs=want_lp,
-                                      top_logprobs=req.logprobs or 0) for inp in inputs_list]
-        jobs = state.expand(inputs_list, params_list, req.n)
-        echo = [_echo_text(engine, j.inputs) if req.echo else "" for j in jobs]
+
+        def prepare() -> tuple[list[Job], list[str]]:  # tokenizes: off the event loop
+            inputs_list = state.completion_inputs(req.prompt)
+            params_list = [_openai_params(req, state.max_new_tokens(req.max_tokens, inp), logprobs=want_lp,
+                                          top_logprobs=req.logprobs or 0) for inp in inputs_list]
+            jobs = state.expand(inputs_list, params_list, req.n)
+            return jobs, [_echo_text(engine, j.inputs) if req.echo else "" for j in jobs]
+
+        jobs, echo = await asyncio.to_thread(prepare)
         tracker = state.metrics.track("/v1/completions")
         if req.stream:
             return await _stream_completion(state, jobs, model, req, echo, tracker)
@@ -74,9 +81,12 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true")
-        params = _openai_params(req, state.max_new_tokens(requested, inputs), logprobs=req.logprobs, top_logprobs=top,
-                                json_schema=tools.schema if tools is not None else None)
-        jobs = state.expand([inputs], [params], req.n)
+        def prepare() -> list[Job]:  # applies the chat template and tokenizes: off the event loop
+            params = _openai_params(req, state.max_new_tokens(requested, inputs), logprobs=req.logprobs,
+                                    top_logprobs=top, json_schema=tools.schema if tools is not None else None)
+            return state.expand([inputs], [params], req.n)
+
+        jobs = await asyncio.to_thread(prepare)
         tracker = state.metrics.track("/v1/chat/completions")
         if req.stream:
             return await _stream_chat(state, jobs, model, req, tracker, with_tools=tools is not None)
