@@ -318,3 +318,26 @@ def test_a_keyed_or_deliberately_exposed_server_answers_any_host(keyed_url: str,
                      ).status_code == 200
     with ServerThread(create_app(tiny_engine, any_host=True)) as srv:  # `serve --host 0.0.0.0` without a key
         assert httpx.get(srv.url + "/metrics", headers={"Host": "box.lan:8000"}).status_code == 200
+
+
+def test_a_body_trickled_slower_than_the_deadline_is_a_408_and_others_are_served(tiny_engine) -> None:
+    """Slowloris: a client sends its headers and then its body a byte at a time."""
+    import socket
+    import time as _time
+
+    with ServerThread(create_app(tiny_engine, limits=ServerLimits(body_timeout_s=1.0))) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                         "Content-Length: 1000\r\n\r\n{".encode())
+            start = _time.monotonic()
+            assert httpx.get(srv.url + "/health", timeout=5).status_code == 200  # others are served meanwhile
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 408") and _time.monotonic() - start < 5
+    with pytest.raises(ValueError, match="body_timeout_s"):
+        ServerLimits(body_timeout_s=0)

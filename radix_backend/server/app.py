@@ -293,7 +293,8 @@ def serve(model: str | None = None, *, host: str = "127.0.0.1", port: int = 3000
         app = create_app(engine, served_model_name=served_model_name, model_path=model,
                          incremental_streaming_output=incremental_streaming_output, api_key=api_key, limits=limits,
                          any_host=not is_loopback(host))
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
+                    limit_concurrency=(limits or ServerLimits()).max_connections)
     finally:
         engine.shutdown()
 
@@ -325,6 +326,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-n", type=int, default=defaults.max_n, help="most samples per prompt (n)")
     parser.add_argument("--max-n-tokens", type=int, default=defaults.max_n_tokens,
                         help="most new tokens one request may ask for (n x max_tokens over its prompts)")
+    parser.add_argument("--body-timeout", type=float, default=defaults.body_timeout_s,
+                        help="seconds a request body may take to arrive (slower senders get a 408)")
+    parser.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                        help="open connections and requests at once (more are answered 503)")
     add_cli_args(parser.add_argument_group("engine"))
     return parser
 
@@ -343,7 +348,8 @@ def run_serve(args: argparse.Namespace) -> None:
     serve(args.model, host=args.host, port=args.port, dp_size=args.dp_size, router_policy=args.router_policy,
           served_model_name=args.served_model_name, log_level=args.log_level,
           incremental_streaming_output=args.incremental_streaming_output, api_key=args.api_key,
-          limits=ServerLimits(args.max_body_bytes, args.max_n, args.max_n_tokens), config=from_cli_args(args))
+          limits=ServerLimits(args.max_body_bytes, args.max_n, args.max_n_tokens, args.body_timeout,
+                              args.max_connections), config=from_cli_args(args))
 
 
 def main(argv: list[str] | None = None) -> None:

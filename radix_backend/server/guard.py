@@ -11,6 +11,7 @@ browser cannot send that cross-site without a CORS preflight, which the server n
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
@@ -30,11 +31,15 @@ class ServerLimits:
     max_body_bytes: int = 4 << 20  # a request body larger than this is a 413
     max_n: int = 64  # samples per prompt (OpenAI's n, SGLang's sampling_params.n)
     max_n_tokens: int = 262_144  # n * max_tokens over all prompts of one request
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this (slow senders: 408)
+    max_connections: int = 1024  # open connections and in-flight requests at once; more are a 503
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "max_n_tokens"):
+        for name in ("max_body_bytes", "max_n", "max_n_tokens", "max_connections"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not isinstance(self.body_timeout_s, (int, float)) or not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be a positive number, got {self.body_timeout_s!r}")
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
@@ -107,8 +112,14 @@ class AccessGuard:
             await self.app(scope, receive, send)
             return
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.limits.body_timeout_s
         while True:
-            message = await receive()
+            try:  # a client trickling its body (slowloris) must not hold a connection for ever
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                await _send_error(send, 408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                                  "request_timeout")
+                return
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
