@@ -169,6 +169,10 @@ def test_gateway_passes_the_api_key_through(tiny_llama_dir: Path) -> None:
         assert httpx.get(fleet.worker_urls[0] + "/v1/models").status_code == 401  # workers want the key too
         for proc in fleet.processes:  # what `ps` shows any local user
             assert b"sekret" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        for name in ("default", str(tiny_llama_dir)):  # the names one `serve` accepts work through the gateway
+            r = httpx.post(fleet.gateway_url + "/v1/chat/completions", timeout=60, headers={"Authorization": "Bearer sekret"},
+                           json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert r.status_code == 200, (name, r.text)
 
 
 @needs_gateway

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError, MissingDependencyError
+from .common import public_model_name
 from .guard import API_KEY_ENV
 
 GATEWAY_MODULE = "smg.launch_router"
@@ -127,6 +129,20 @@ def worker_envs(dp_size: int, device: str, api_key: str | None = None) -> list[d
     return [base | {"OMP_NUM_THREADS": str(threads)} for _ in range(dp_size)]
 
 
+def worker_model_id(url: str, api_key: str | None = None) -> str | None:
+    """The model id a worker reports in /v1/models (the gateway routes by it); None if it cannot
+    be asked now (a remote worker still starting: then clients name the model by its id)."""
+    request = urllib.request.Request(url.rstrip("/") + "/v1/models",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return str(json.loads(resp.read())["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        print(f"radix-backend: could not ask {url} for its model id ({exc}); the gateway routes by that id only",
+              file=sys.stderr)
+        return None
+
+
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float = STARTUP_TIMEOUT_S,
                  api_key: str | None = None) -> None:
     """Until `url`/health answers 200; fails if `proc` exits first or time runs out."""
@@ -156,6 +172,9 @@ class Fleet:
     gateway: GatewayLaunch | None
     gateway_url: str | None
     api_key: str | None = None
+    # names clients may use for the model, as against one `serve` (which accepts "default" and the
+    # name it was started with); the gateway maps them to the id the workers report
+    model_aliases: list[str] = field(default_factory=lambda: ["default"])
     workers: list[subprocess.Popen] = field(default_factory=list)
     gateway_proc: subprocess.Popen | None = None
 
@@ -166,6 +185,10 @@ class Fleet:
             for url, proc in zip(self.worker_urls, self.workers):
                 wait_healthy(url, proc, timeout_s)
             if self.gateway is not None:
+                canonical = worker_model_id(self.worker_urls[0], self.api_key)
+                self.gateway.argv += [arg for alias in dict.fromkeys(self.model_aliases)
+                                      if canonical is not None and alias != canonical
+                                      for arg in ("--model-alias", f"{alias}={canonical}")]
                 # its banner and logs go to stderr, so stdout keeps only what radix-backend reports
                 self.gateway_proc = subprocess.Popen(self.gateway.argv, env=self.gateway.env, stdout=sys.stderr)
                 wait_healthy(self.gateway_url, self.gateway_proc, 120, self.api_key)
@@ -220,8 +243,9 @@ def local_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Fl
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     gateway = gateway_command(urls, host=args.host, port=args.port, policy=args.router_policy, api_key=api_key,
                               extra_args=args.gateway_arg or ())
+    aliases = ["default"] + ([args.model, public_model_name(args.model)] if args.model else [])
     return Fleet([worker_argv(args, parser, p) for p in ports], worker_envs(args.dp_size, args.device, api_key), urls,
-                 gateway, local_url(args.host, args.port), api_key)
+                 gateway, local_url(args.host, args.port), api_key, aliases)
 
 
 def run_fleet(fleet: Fleet) -> int:
