@@ -341,3 +341,16 @@ def test_a_body_trickled_slower_than_the_deadline_is_a_408_and_others_are_served
             assert reply.startswith(b"HTTP/1.1 408") and _time.monotonic() - start < 5
     with pytest.raises(ValueError, match="body_timeout_s"):
         ServerLimits(body_timeout_s=0)
+
+
+def test_a_prompt_is_tokenized_once_per_request(open_url: str, tiny_engine, monkeypatch) -> None:
+    """A 4 MB prompt costs seconds to tokenize: the length check and the engine share one encoding."""
+    calls = []
+    real = tiny_engine.encode
+    monkeypatch.setattr(tiny_engine, "encode", lambda text, *a, **k: (calls.append(len(text)), real(text, *a, **k))[1])
+    assert _complete(open_url, prompt="Hello there", max_tokens=2).status_code == 200
+    assert calls == [len("Hello there")]
+    calls.clear()
+    body = {"model": _model(open_url), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(open_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert len(calls) == 1

@@ -116,6 +116,14 @@ class ServerState:
 
     # ------------------------------------------------------------------ prompts
 
+    def tokenized(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """`inputs` as token ids, tokenized once here: the length check and the engine then use the
+        same ids (a long prompt is not tokenized twice)."""
+        if "input_ids" in inputs:
+            return inputs
+        text = inputs["prompt"] if "prompt" in inputs else self.engine.apply_chat_template(inputs["messages"])
+        return {"input_ids": self.engine.encode(text)}
+
     def prompt_len(self, inputs: dict[str, Any]) -> int:
         if "input_ids" in inputs:
             return len(inputs["input_ids"])

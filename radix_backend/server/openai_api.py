@@ -48,11 +48,13 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         want_lp = req.logprobs is not None
 
         def prepare() -> tuple[list[Job], list[str]]:  # tokenizes: off the event loop
-            inputs_list = state.completion_inputs(req.prompt)
+            given = state.completion_inputs(req.prompt)
+            echoes = [_echo_text(engine, inp) if req.echo else "" for inp in given]
+            inputs_list = [state.tokenized(inp) for inp in given]
             params_list = [_openai_params(req, state.max_new_tokens(req.max_tokens, inp), logprobs=want_lp,
                                           top_logprobs=req.logprobs or 0) for inp in inputs_list]
             jobs = state.expand(inputs_list, params_list, req.n)
-            return jobs, [_echo_text(engine, j.inputs) if req.echo else "" for j in jobs]
+            return jobs, [echoes[j.group] for j in jobs]
 
         jobs, echo = await asyncio.to_thread(prepare)
         tracker = state.metrics.track("/v1/completions")
@@ -81,10 +83,11 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=true")
-        def prepare() -> list[Job]:  # applies the chat template and tokenizes: off the event loop
-            params = _openai_params(req, state.max_new_tokens(requested, inputs), logprobs=req.logprobs,
+        def prepare() -> list[Job]:  # applies the chat template and tokenizes, once: off the event loop
+            ids = state.tokenized(inputs)
+            params = _openai_params(req, state.max_new_tokens(requested, ids), logprobs=req.logprobs,
                                     top_logprobs=top, json_schema=tools.schema if tools is not None else None)
-            return state.expand([inputs], [params], req.n)
+            return state.expand([ids], [params], req.n)
 
         jobs = await asyncio.to_thread(prepare)
         tracker = state.metrics.track("/v1/chat/completions")
