@@ -321,15 +321,26 @@ class ConstraintCompiler:
 
     def _compile(self, spec: ConstraintSpec) -> llguidance.LLMatcher:
         grammar = _grammar_text(spec)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        limits = parser_limits()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer,
+                                                                                  limits=limits)
         if is_error:
             raise ConstraintError(f"invalid {spec.kind} {spec.describe()}: {_first_line(messages[0])}")
         for w in messages:
             logger.warning("constraint %s: %s", spec.describe(), w)
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise ConstraintError(f"invalid {spec.kind} {spec.describe()}: {_first_line(matcher.get_error())}")
         return matcher
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """What one constraint may cost, ours on purpose (llguidance's defaults): building its lexer at
+    most 1M fuel (~20 ms) and 500k grammar symbols at compile time, and per token (on the scheduler
+    thread, for every request in the batch) 200k lexer fuel (~15 ms) and 50k Earley items; a grammar
+    over these is a ConstraintError (400) or fails its own request, never a stall of the others."""
+    return llguidance.LLParserLimits(initial_lexer_fuel=1_000_000, max_grammar_size=500_000,
+                                     step_lexer_fuel=200_000, step_max_items=50_000)
 
 
 _executor: llguidance.LLExecutor | None = None
