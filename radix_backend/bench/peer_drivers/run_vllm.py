@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from driver_protocol import CallResult, main, measure
+from driver_protocol import CallResult, RunWave, main, measure
 
 STARTUP_TIMEOUT_S = 900
 VLLM_CPU_ENV = {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "4",  # all cores, none reserved
@@ -62,29 +62,34 @@ def wait_ready(base: str, proc: subprocess.Popen) -> float:
     raise TimeoutError("vLLM server did not become healthy")
 
 
+def completions_wave(base: str) -> RunWave:
+    """A wave's prompts sent concurrently to an OpenAI server's /v1/completions (served as "model")."""
+    pool = ThreadPoolExecutor(max_workers=64)
+
+    def one(ids: list[int], max_new_tokens: int, ignore_eos: bool) -> CallResult:
+        body = {"model": "model", "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0,
+                "ignore_eos": ignore_eos}
+        out = _post(f"{base}/v1/completions", body)
+        details = out["usage"].get("prompt_tokens_details") or {}
+        return CallResult(out["choices"][0]["text"], out["usage"]["completion_tokens"], details.get("cached_tokens", 0))
+
+    def run_wave(prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> list[CallResult]:
+        return list(pool.map(lambda ids: one(ids, max_new_tokens, ignore_eos), prompts))
+
+    return run_wave
+
+
 def run(plan: dict) -> dict:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     proc = start_server(plan, port)
     try:
         ready_s = wait_ready(base, proc)
-        pool = ThreadPoolExecutor(max_workers=64)
-
-        def one(ids: list[int], max_new_tokens: int, ignore_eos: bool) -> CallResult:
-            body = {"model": "model", "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0,
-                    "ignore_eos": ignore_eos}
-            out = _post(f"{base}/v1/completions", body)
-            details = out["usage"].get("prompt_tokens_details") or {}
-            return CallResult(out["choices"][0]["text"], out["usage"]["completion_tokens"],
-                              details.get("cached_tokens", 0))
-
-        def run_wave(prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> list[CallResult]:
-            return list(pool.map(lambda ids: one(ids, max_new_tokens, ignore_eos), prompts))
 
         def reset_cache() -> None:
             _post(f"{base}/reset_prefix_cache")
 
-        result = measure(plan, run_wave, reset_cache, "vLLM-cpu")
+        result = measure(plan, completions_wave(base), reset_cache, "vLLM-cpu")
         result["startup_s"] = ready_s
         version = subprocess.run([plan["vllm_python"], "-c", "import vllm; print(vllm.__version__)"],
                                  capture_output=True, text=True).stdout.strip()
