@@ -183,10 +183,12 @@ def check_within(name: str, t: torch.Tensor, upper: int) -> None:
         raise ValueError(f"{name} holds values outside [0, {upper})")
 
 
-def check_ranges(name: str, starts: torch.Tensor, lens: torch.Tensor, total: int, min_len: int = 0) -> None:
-    """Ranges [starts[b], starts[b] + lens[b]) inside [0, total), each at least `min_len` long."""
-    if starts.numel() and (int(starts.min()) < 0 or int(lens.min()) < min_len or int((starts + lens).max()) > total):
-        raise ValueError(f"{name} ranges fall outside their {total} entries (or are shorter than {min_len})")
+def check_ranges(name: str, starts: torch.Tensor, lens: torch.Tensor, total: int) -> None:
+    """Every non-empty range [starts[b], starts[b] + lens[b]) inside [0, total). The kernels read
+    nothing for an empty (or negative) one: a padding row, whose output is discarded."""
+    used = lens > 0
+    if bool(used.any()) and (int(starts[used].min()) < 0 or int((starts + lens)[used].max()) > total):
+        raise ValueError(f"{name} ranges fall outside their {total} entries")
 
 
 def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
@@ -207,12 +209,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      threads: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query row per request over its keys at `kv_indices[starts[b] : starts[b] + lens[b]]`,
     read from the pool in place. q [B, Hq, D]; caches [slots, Hkv, D]; returns (out [B, Hq, D],
-    lse [B, Hq] or None). Every lens[b] must be >= 1 and every slot inside the pool."""
+    lse [B, Hq] or None). A request with lens[b] < 1 (padding) reads nothing and gets an undefined
+    row; every slot must lie inside the pool."""
     hq, hkv = _check_attention(q, k_cache, v_cache)
     batch, _, dim = q.shape
     kv_indices = checked_indices("kv_indices", kv_indices)
     starts, lens = checked_indices("starts", starts, batch), checked_indices("lens", lens, batch)
-    check_ranges("starts/lens", starts, lens, kv_indices.numel(), min_len=1)
+    check_ranges("starts/lens", starts, lens, kv_indices.numel())
     check_within("kv_indices", kv_indices, k_cache.shape[0])
     q = q.contiguous()
     out = torch.empty_like(q)

@@ -285,9 +285,10 @@ def test_wrappers_refuse_what_would_make_the_c_code_read_or_write_out_of_bounds(
     good = dict(kv_indices=torch.tensor([1, 2, 3]), starts=one, lens=torch.tensor([3]), scale=0.25)
     native.decode_attention(q, k, v, **good)
     native.decode_attention(q, k, v, **(good | {"kv_indices": torch.tensor([1, 2, 3], dtype=torch.int32)}))  # converted
+    native.decode_attention(q, k, v, **(good | {"starts": torch.tensor([99]), "lens": torch.tensor([0])}))  # padding
     for bad, match in [({"kv_indices": torch.tensor([1, 2, 10])}, "kv_indices"),
                        ({"kv_indices": torch.tensor([-1, 2, 3])}, "kv_indices"),
-                       ({"lens": torch.tensor([4])}, "ranges"), ({"lens": torch.tensor([0])}, "ranges"),
+                       ({"lens": torch.tensor([4])}, "ranges"), ({"starts": torch.tensor([-1])}, "ranges"),
                        ({"starts": torch.tensor([0, 1])}, "starts"), ({"kv_indices": torch.tensor([1.0])}, "int")]:
         with pytest.raises(ValueError, match=match):
             native.decode_attention(q, k, v, **(good | bad))
