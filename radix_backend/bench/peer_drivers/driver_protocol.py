@@ -69,8 +69,8 @@ def measure(plan: dict, run_wave: RunWave, reset_cache: Callable[[], None], syst
         if batch > 1 and not batched_decode:
             out["micro"][f"decode_b{batch}_tok_s"] = None
             continue
-        out["micro"][f"decode_b{batch}_tok_s"] = _decode(plan, run_wave, reset_cache, batch)
-        print(f"[measure] {system} decode b{batch}: {out['micro'][f'decode_b{batch}_tok_s']:.1f} tok/s",
+        rate = out["micro"][f"decode_b{batch}_tok_s"] = _decode(plan, run_wave, reset_cache, batch)
+        print(f"[measure] {system} decode b{batch}: " + ("too fast to tell from noise" if rate is None else f"{rate:.1f} tok/s"),
               file=sys.stderr, flush=True)
     return out
 
@@ -87,10 +87,10 @@ def _prefill(plan: dict, run_wave: RunWave, reset_cache: Callable[[], None]) -> 
     return len(ids) / best
 
 
-def _decode(plan: dict, run_wave: RunWave, reset_cache: Callable[[], None], batch: int) -> float:
+def _decode(plan: dict, run_wave: RunWave, reset_cache: Callable[[], None], batch: int) -> float | None:
     """Decode tokens per second at `batch` concurrent requests: (N - 1) extra tokens each, timed as
     the difference between an N-token and a 1-token run of the same prompts (prefill cancels),
-    each the best of 2 runs."""
+    each the best of 2 runs; None when the difference is lost in noise."""
     prompts = plan["decode"]["prompts"][:batch]
     n = plan["decode"]["max_new_tokens"]
     timings = {}
@@ -103,6 +103,8 @@ def _decode(plan: dict, run_wave: RunWave, reset_cache: Callable[[], None], batc
             if any(r.completion_tokens != tokens for r in results):
                 raise RuntimeError(f"decode run produced {[r.completion_tokens for r in results]} tokens, "
                                    f"expected {tokens}")
+    if timings[n] <= timings[1]:  # the extra tokens cost less than the runs' noise (a tiny model)
+        return None
     return batch * (n - 1) / (timings[n] - timings[1])
 
 
