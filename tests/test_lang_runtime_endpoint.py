@@ -123,3 +123,23 @@ def test_streamed_meta_data_over_http(endpoint):
     pieces = list(state.text_iter("a", return_meta_data=True))
     assert pieces[-1][1]["completion_tokens"] == 6
     assert len([e for _, m in pieces for e in m["output_token_logprobs"]]) == 6
+
+
+def test_programs_reach_the_backend_as_its_endpoint_on_both_backends(endpoint, local):
+    """SGLang programs call `runtime.endpoint.get_model_name()` (and the like): in process and over
+    HTTP the backend is its own endpoint and names the model as the server does."""
+    assert endpoint.endpoint is endpoint and local.endpoint is local
+    assert local.endpoint.get_model_name() == endpoint.endpoint.get_model_name()
+    assert "/" not in local.get_model_name()  # a local checkpoint by its own name, never a host path
+
+    @sgl.function
+    def named(s):
+        s += "Model: " + sgl.global_config.default_backend.endpoint.get_model_name()
+
+    previous = sgl.global_config.default_backend
+    try:
+        for backend in (local, endpoint):
+            sgl.set_default_backend(backend)
+            assert named.run().text() == "Model: " + endpoint.get_model_name()
+    finally:
+        sgl.global_config.default_backend = previous

@@ -44,6 +44,16 @@ class BaseBackend(ABC):
     def get_chat_template(self) -> ChatTemplate:
         return default_template()
 
+    @property
+    def endpoint(self) -> "BaseBackend":
+        """SGLang programs reach a runtime's backend as `.endpoint` (`sgl.Runtime(...).endpoint`);
+        a backend here is its own endpoint, so that code runs unchanged."""
+        return self
+
+    def get_model_name(self) -> str:
+        """The served model's name, as SGLang's `RuntimeEndpoint.get_model_name()` reports it."""
+        raise UnsupportedFeatureError(f"{type(self).__name__} does not know its model's name")
+
     def cache_prefix(self, prefix: str) -> None:
         """Put `prefix` in the KV cache (a zero-token generate) so later requests start from a hit."""
         self.generate([prefix], [SamplingParams(max_new_tokens=0)])

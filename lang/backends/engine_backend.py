@@ -13,6 +13,7 @@ from typing import Any
 
 from radix_backend.engine_like import EngineLike
 from radix_backend.outputs import ChoiceScore, GenerateOutput, StreamChunk
+from radix_backend.paths import public_model_name
 from radix_backend.sampling_params import SamplingParams
 
 from ..chat_template import ChatTemplate, from_renderer
@@ -41,6 +42,11 @@ class RadixEngineBackend(BaseBackend):
                 lambda msgs, gen: engine.apply_chat_template(msgs, add_generation_prompt=gen), name="engine"
             )
         return self._chat_template
+
+    def get_model_name(self) -> str:
+        """As the server's /get_model_info names it: the model as given, a local path by its own name."""
+        engine = self.engine
+        return public_model_name(getattr(engine, "model_id", None) or engine.model_path)
 
     def generate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
         outs = self.engine.generate(list(prompts), list(params))

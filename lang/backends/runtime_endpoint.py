@@ -125,6 +125,9 @@ class RuntimeEndpoint(BaseBackend):
         return self._request("POST", "/generate", json=data).json()
 
     # ---- BaseBackend ---------------------------------------------------------------------------
+    def get_model_name(self) -> str:
+        return str(self.model_info["model_path"])
+
     def get_chat_template(self) -> ChatTemplate:
         """The served model's own template (its tokenizer, when the checkpoint is readable here), else ChatML."""
         if self._chat_template is None:

@@ -24,6 +24,7 @@ from ..engine_like import EngineLike
 from ..errors import (ConstraintError, EngineShutdownError, InvalidRequestError, KVCacheTooSmallError,
                      PromptTooLongError, RequestAbortedError)
 from ..outputs import GenerateOutput, RequestMeta, StreamChunk
+from ..paths import public_model_name
 from ..sampling_params import SamplingParams
 from .guard import ServerLimits
 from .metrics import RequestTracker, ServerMetrics
@@ -249,15 +250,6 @@ def _replayed_tool_calls(calls: Any, index: int) -> str:
             raise InvalidRequestError(f"{where}: arguments of {fn.get('name')!r} are not JSON: {exc}") from None
         replayed.append({"name": fn.get("name"), "arguments": arguments})
     return json.dumps(replayed[0] if len(replayed) == 1 else replayed)
-
-
-def public_model_name(name: str) -> str:
-    """A model name fit to show clients: an HF id as is, a local dir or file by its own name only
-    (a response must not reveal the host's filesystem layout)."""
-    text = str(name)
-    if os.path.isabs(text) or os.path.exists(text) or text.startswith(("~", ".")):
-        return os.path.basename(os.path.normpath(text)) or text
-    return text
 
 
 class TokenText:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError, MissingDependencyError
-from .common import public_model_name
+from ..paths import public_model_name
 from .guard import API_KEY_ENV
 
 GATEWAY_MODULE = "smg.launch_router"
