@@ -179,15 +179,14 @@ def checked_indices(name: str, t: torch.Tensor, length: int | None = None) -> to
 
 def check_within(name: str, t: torch.Tensor, upper: int) -> None:
     """Every entry of `t` in [0, upper)."""
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= upper):
+    if t.numel() and (int((bounds := torch.aminmax(t)).min) < 0 or int(bounds.max) >= upper):
         raise ValueError(f"{name} holds values outside [0, {upper})")
 
 
 def check_ranges(name: str, starts: torch.Tensor, lens: torch.Tensor, total: int) -> None:
     """Every non-empty range [starts[b], starts[b] + lens[b]) inside [0, total). The kernels read
     nothing for an empty (or negative) one: a padding row, whose output is discarded."""
-    used = lens > 0
-    if bool(used.any()) and (int(starts[used].min()) < 0 or int((starts + lens)[used].max()) > total):
+    if any(n > 0 and (s < 0 or s + n > total) for s, n in zip(starts.tolist(), lens.tolist())):  # one per request
         raise ValueError(f"{name} ranges fall outside their {total} entries")
 
 
@@ -300,7 +299,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) 
     check_within("positions", positions, cos_sin_cache.shape[0])
     out = torch.empty(tokens, heads, dim, dtype=x.dtype)
     library().rb_rope(x.data_ptr(), x.stride(0), tokens, heads, dim, positions.data_ptr(),
-                      cos_sin_cache.data_ptr(), cos_sin_cache.shape[-1], out.data_ptr())
+                      cos_sin_cache.data_ptr(), rot, out.data_ptr())
     return out
 
 

@@ -64,7 +64,6 @@ def onednn_linear_available() -> bool:
     return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4))
 
 
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim (fp32 statistics, as HF LlamaRMSNorm); returns x.dtype."""
     _check_norm_args(x, weight)
