@@ -237,20 +237,34 @@ class Int8Linear(_LowBitLinear):
 
 @functools.lru_cache(maxsize=1)
 def dense_dtype_for_large_batches() -> torch.dtype:
-    """bf16 where the CPU has native bf16 arithmetic (AVX512-BF16 or AMX-BF16 in its flags), else
-    fp32 (elsewhere torch's bf16 GEMM is emulated, ~40x slower). Read from the CPU's features,
-    never timed: a busy machine must not change the precision."""
-    return torch.bfloat16 if _cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
+    """bf16 where the CPU has native bf16 arithmetic, else fp32 (elsewhere torch's bf16 GEMM is
+    emulated, ~40x slower). Read from the CPU's features, never timed: a busy machine must not
+    change the precision."""
+    return torch.bfloat16 if has_native_bf16() else torch.float32
+
+
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # CPU flags of native bf16 arithmetic
+
+
+def has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16 among its flags); `cpuinfo`:
+    the text of a /proc/cpuinfo, else this machine's."""
+    return bool((_cpu_flags() if cpuinfo is None else _flags_of(cpuinfo)) & NATIVE_BF16_FLAGS)
 
 
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+            return _flags_of(handle.read())
     except OSError:
-        pass
+        return set()
+
+
+def _flags_of(cpuinfo: str) -> set[str]:
+    """The flags of a /proc/cpuinfo text (its first "flags" line)."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
     return set()
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..kernels.quant import has_native_bf16
 from ..loader import embedded_gguf_path, hf_directory, load_tokenizer, resolve_checkpoint
 from . import workloads as wl
 from .core_bench import WORKLOADS, build_workload
@@ -70,15 +71,9 @@ SAME_PRECISION = ("radix-fp32", "vllm-fp32")  # our fp32 reference path against 
 
 
 def vllm_dtype_for_cpu(cpuinfo: str | None = None) -> str:
-    """vLLM's fastest dtype here: bf16 where the CPU has native bf16 arithmetic (AVX512-BF16 or
-    AMX-BF16), else fp32 (bf16 would be emulated and slower)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    flags = set(cpuinfo.split())
-    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+    """vLLM's fastest dtype here: bf16 where the CPU has native bf16 arithmetic (the rule our own
+    dense copies follow), else fp32 (bf16 would be emulated and slower)."""
+    return "bfloat16" if has_native_bf16(cpuinfo) else "float32"
 
 
 class PromptTokenizer:
