@@ -124,10 +124,11 @@ class SlotAllocator:
     `alloc` pops k pages, `free` pushes them, O(k) each, no merging. Freed pages are reused first
     (LIFO) and a fresh pool hands out pages in ascending order, so a workload touches only as much
     of the pool as it holds at once: on the CPU, a page of the pool's memory costs a first-touch
-    fault the first time it is written, and recently used slots are still in the caches. A boolean per-page "is free" mask catches double frees,
-    duplicates and frees of the padding page; the check runs on CPU always (vectorised) and on
-    GPU only with `debug=True`, since it needs a device sync there. `debug=True` also re-verifies
-    the free count against the mask on every call.
+    fault the first time it is written, and recently used slots are still in the caches. A
+    boolean per-page "is free" mask catches double frees, duplicates and frees of the padding
+    page; the check runs on CPU always (vectorised) and on GPU only with `debug=True`, since it
+    needs a device sync there. `debug=True` also re-verifies the free count against the mask on
+    every call.
 
     Not thread-safe: only the scheduler thread calls it.
     """

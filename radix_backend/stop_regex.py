@@ -94,8 +94,7 @@ class StopRegex:
     def _build(self, items: list) -> tuple[int, list[tuple[int, str]]]:
         """A sequence of parsed items; an empty one is a single pass-through state."""
         if not items:
-            s = self._add(_State("split"))
-            self.states[s].out2 = -2  # unused branch
+            s = self._add(_State("split"))  # out2 stays -1: no second branch
             return s, [(s, "out")]
         start, ends = self._item(*items[0])
         for op, arg in items[1:]:

@@ -126,12 +126,7 @@ class ServerState:
         return {"input_ids": self.engine.encode(text)}
 
     def prompt_len(self, inputs: dict[str, Any]) -> int:
-        if "input_ids" in inputs:
-            return len(inputs["input_ids"])
-        text = inputs.get("prompt")
-        if text is None:
-            text = self.engine.apply_chat_template(inputs["messages"])
-        return len(self.engine.encode(text))
+        return len(self.tokenized(inputs)["input_ids"])
 
     def max_new_tokens(self, requested: int | None, inputs: dict[str, Any]) -> int:
         """OpenAI semantics: no max_tokens means "until the context window is full"."""

@@ -140,13 +140,11 @@ class AccessGuard:
     @staticmethod
     def _local(headers: dict[bytes, bytes]) -> bool:
         """Host names a loopback address, and so does Origin when present."""
-        for name in (b"host", b"origin"):
-            value = headers.get(name)
-            if value is None and name == b"origin":
-                continue
-            if value is None or not is_loopback(host_name(value.decode("latin-1"))):
-                return False
-        return True
+        def loopback(value: bytes) -> bool:
+            return is_loopback(host_name(value.decode("latin-1")))
+
+        host, origin = headers.get(b"host"), headers.get(b"origin")
+        return host is not None and loopback(host) and (origin is None or loopback(origin))
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         given = headers.get(b"authorization", b"")
