@@ -78,10 +78,10 @@ class DiskStats:
     write_errors: int = 0
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """All of a tensor's bytes, for the fingerprint."""
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """All of a tensor's bytes, for the fingerprint: a view, so hashing a large model copies nothing."""
     flat = tensor.detach().reshape(-1).contiguous().cpu()
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
