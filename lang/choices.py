@@ -21,11 +21,17 @@ class ChoicesDecision:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
 
+def _entries(logprobs: list[float], token_ids: list[int]) -> list[tuple[float, int, str | None]]:
+    """SGLang's (logprob, token id, text) entries; the interpreter fills in the text where it can."""
+    return [(lp, t, None) for lp, t in zip(logprobs, token_ids)]
+
+
 def _base_meta(scores: list[ChoiceScore]) -> dict[str, Any]:
+    """The keys SGLang's select reports; output_token_logprobs is empty (choices are scored, not generated)."""
     return {
         "normalized_prompt_logprobs": [s.normalized_logprob for s in scores],
-        "total_logprobs": [s.total_logprob for s in scores],
-        "input_token_logprobs": [list(zip(s.token_logprobs, s.token_ids)) for s in scores],
+        "input_token_logprobs": [_entries(s.token_logprobs, s.token_ids) for s in scores],
+        "output_token_logprobs": [[] for _ in scores],
     }
 
 
@@ -88,7 +94,7 @@ class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
             uncond = np.asarray(s.unconditional_logprobs, dtype=np.float64)
             normalized.append(float((cond - uncond).mean()) if cond.size else 0.0)
         meta = _base_meta(scores)
-        meta["unconditional_token_logprobs"] = [list(s.unconditional_logprobs or []) for s in scores]
+        meta["unconditional_token_logprobs"] = [_entries(s.unconditional_logprobs or [], s.token_ids) for s in scores]
         meta["normalized_unconditional_prompt_logprobs"] = normalized
         return ChoicesDecision(choices[int(np.argmax(normalized))], meta)
 

@@ -21,8 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-from radix_backend.outputs import GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
+from radix_backend.outputs import GenerateOutput
 from radix_backend.sampling_params import SamplingParams
+from radix_backend.sglang_meta import finished_meta, LogprobEntry, LogprobOptions, StreamMeta
 
 from .chat_template import ChatTemplate
 from .errors import ProgramError, StreamUsageError, UnknownVariableError, UnsupportedFeatureError
@@ -88,8 +89,7 @@ class ProgramState(RoleMethods):
         self._messages: list[dict[str, str]] = []
         self._variables: dict[str, Any] = {}
         self._var_raw: dict[str, str] = {}  # generated text of each variable (streamed while it grows)
-        self._var_logprobs: dict[str, list[tuple[Any, ...]]] = {}  # streamed variables' output token logprobs
-        self._var_tokens: dict[str, int] = {}  # streamed variables' completion tokens so far
+        self._var_stream_meta: dict[str, dict[str, Any]] = {}  # streamed variables' meta_info so far
         self._vars_done: set[str] = set()
         self._meta: dict[str, dict[str, Any]] = {}
         self._written: set[str] = set()  # variables set since this state was forked (gathered by join)
@@ -190,8 +190,8 @@ class ProgramState(RoleMethods):
     # ---- streaming --------------------------------------------------------------------
     def text_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> Iterator[Any]:
         """Increments of the text (or of variable `var_name`) while a streamed program runs. With
-        `return_meta_data` (and a variable), `(chunk, meta_info)` pairs: the chunk's
-        `output_token_logprobs` (when the gen returns logprobs) and the running `completion_tokens`."""
+        `return_meta_data` (and a variable), `(chunk, meta_info)` pairs, meta_info as SGLang's client
+        reports it while a gen streams: running counts and all logprobs so far."""
         self._check_stream("text_iter")
         return self._iter(var_name, return_meta_data)
 
@@ -220,7 +220,7 @@ class ProgramState(RoleMethods):
     def _iter(self, var_name: str | None, return_meta_data: bool = False) -> Iterator[Any]:
         if return_meta_data and var_name is None:
             raise StreamUsageError("text_iter(return_meta_data=True) needs a variable name: meta data is per gen")
-        run, pos, lp_pos = self._run, 0, 0
+        run, pos = self._run, 0
         while True:
             with self._cond:
                 while True:
@@ -230,10 +230,7 @@ class ProgramState(RoleMethods):
                         break
                     self._cond.wait()
                 if return_meta_data:
-                    logprobs = self._var_logprobs.get(var_name, [])
-                    meta = {"output_token_logprobs": logprobs[lp_pos:],
-                            "completion_tokens": self._var_tokens.get(var_name, 0)}
-                    lp_pos = len(logprobs)
+                    meta = dict(self._var_stream_meta.get(var_name) or self._meta.get(var_name) or {})
             if len(current) > pos:
                 yield (current[pos:], meta) if return_meta_data else current[pos:]
                 pos = len(current)
@@ -245,15 +242,22 @@ class ProgramState(RoleMethods):
             raise UnknownVariableError(f"text_iter({var_name!r}): the program produced no variable {var_name!r}")
 
     # ---- execution of local nodes -------------------------------------------------------
-    def _append(self, text: str, var: str | None = None, chunk: StreamChunk | None = None) -> None:
+    def _append(self, text: str, var: str | None = None, stream_meta: dict[str, Any] | None = None) -> None:
         with self._cond:
             self._text += text
             if var is not None:
                 self._var_raw[var] = self._var_raw.get(var, "") + text
-            if var is not None and chunk is not None:  # a streamed gen: its tokens, for text_iter's meta data
-                self._var_tokens[var] = self._var_tokens.get(var, 0) + len(chunk.token_ids)
-                self._var_logprobs.setdefault(var, []).extend((t.logprob, t.token_id) for t in chunk.logprobs or [])
+            if var is not None and stream_meta is not None:  # a streamed gen's meta_info so far, for text_iter
+                self._var_stream_meta[var] = stream_meta
             self._cond.notify_all()
+
+    def _restart_var(self, name: str | None) -> None:
+        """A variable generated again (a gen in a loop) streams from empty."""
+        if name is not None:
+            with self._cond:
+                self._var_raw.pop(name, None)
+                self._var_stream_meta.pop(name, None)
+                self._vars_done.discard(name)
 
     def _set_var(self, name: str, value: Any, meta: dict[str, Any] | None = None, raw: str | None = None) -> None:
         with self._cond:
@@ -452,39 +456,29 @@ def _gen_params(run: ProgramRun, node: SglGen) -> SamplingParams:
 
 
 def _store_gen(st: ProgramState, node: SglGen, outs: list[GenerateOutput], prompt: str, params: SamplingParams,
-               options: GenOptions) -> None:
-    """Variable `node.name` := the text (a list of n texts for n > 1), with SGLang-style meta info."""
+               options: GenOptions, meta: dict[str, Any] | None = None) -> None:
+    """Variable `node.name` := the text (a list of n texts for n > 1), with SGLang's meta_info
+    (`meta`: a streamed gen's last event's, as SGLang's client keeps it)."""
     if node.name is None:
         return
-    meta = gen_meta(outs[0])
-    backend = st._run.backend
-    if params.logprobs and options.logprob_start_len is not None:
-        meta["input_token_logprobs"] = backend.prompt_logprobs(prompt, max(0, options.logprob_start_len))
-    if params.logprobs and options.return_text_in_logprobs:
-        for key in ("output_token_logprobs", "input_token_logprobs"):
-            entries = meta.get(key) or []
-            texts = backend.token_texts([e[1] for e in entries])
-            meta[key] = [(*e[:2], text) for e, text in zip(entries, texts)]
+    if meta is None:
+        logprobs = _logprob_options(st._run.backend, params, options)
+        meta = finished_meta(outs[0], outs[0].request_id, logprobs, _input_logprobs(st, prompt, params, options))
     texts = [o.text for o in outs]
     st._set_var(node.name, texts if len(outs) > 1 else texts[0], meta, raw=texts[0])
 
 
-def gen_meta(out: GenerateOutput) -> dict[str, Any]:
-    """SGLang-style meta_info of one generation."""
-    m = out.meta
-    meta: dict[str, Any] = {
-        "id": out.request_id,
-        "finish_reason": {"type": out.finish_reason, "matched": m.matched_stop},
-        "prompt_tokens": m.prompt_tokens,
-        "completion_tokens": m.completion_tokens,
-        "cached_tokens": m.cached_tokens,
-        "decode_steps": m.decode_steps,
-        "e2e_latency": m.total_time_s,
-    }
-    if out.logprobs is not None:
-        meta["output_token_logprobs"] = [(t.logprob, t.token_id) for t in out.logprobs]
-        meta["output_top_logprobs"] = [t.top for t in out.logprobs]
-    return meta
+def _logprob_options(backend: "BaseBackend", params: SamplingParams, options: GenOptions) -> LogprobOptions:
+    texts = backend.token_texts if params.logprobs and options.return_text_in_logprobs else None
+    return LogprobOptions(params.logprobs, params.top_logprobs, texts)
+
+
+def _input_logprobs(st: ProgramState, prompt: str, params: SamplingParams, options: GenOptions) -> list[LogprobEntry]:
+    """gen(logprob_start_len=...)'s prompt logprobs (none without it, as SGLang's default -1)."""
+    if not params.logprobs or options.logprob_start_len is None or options.logprob_start_len < 0:
+        return []
+    pairs = st._run.backend.prompt_logprobs(prompt, options.logprob_start_len)
+    return _logprob_options(st._run.backend, params, options).entries(pairs)
 
 
 def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
@@ -492,20 +486,17 @@ def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
     if options.n != 1:
         raise UnsupportedFeatureError(f"gen({node.name!r}, n>1) cannot stream; run the program without stream=True")
     prompt = st._text
+    stream_meta = StreamMeta("", _logprob_options(st._run.backend, params, options), False,
+                             _input_logprobs(st, prompt, params, options))
+    info: dict[str, Any] = {}
     parts: list[str] = []
-    ids: list[int] = []
-    logprobs: list[TokenLogprob] = []
-    finish, meta = None, None
+    st._restart_var(node.name)
     for chunk in st._run.backend.generate_stream(prompt, params):
-        st._append(chunk.text, var=node.name, chunk=chunk)
+        info = stream_meta.update(chunk)
+        st._append(chunk.text, var=node.name, stream_meta=info)
         parts.append(chunk.text)
-        ids.extend(chunk.token_ids)
-        logprobs.extend(chunk.logprobs or [])
-        finish = chunk.finish_reason or finish
-        meta = chunk.meta or meta
-    out = GenerateOutput("".join(parts), ids, finish or "stop", meta or RequestMeta(),
-                         logprobs=logprobs if params.logprobs else None)
-    _store_gen(st, node, [out], prompt, params, options)
+    if node.name is not None:
+        st._set_var(node.name, "".join(parts), dict(info))
 
 
 def _execute_select(st: ProgramState, node: SglSelect) -> None:
@@ -514,7 +505,20 @@ def _execute_select(st: ProgramState, node: SglSelect) -> None:
     decision = method(node.choices, scores)
     st._append(decision.decision)
     if node.name is not None:
-        st._set_var(node.name, decision.decision, dict(decision.meta_info))
+        st._set_var(node.name, decision.decision, _with_token_texts(st._run.backend, dict(decision.meta_info)))
+
+
+def _with_token_texts(backend: "BaseBackend", meta: dict[str, Any]) -> dict[str, Any]:
+    """Select's input_token_logprobs with each token's text, as SGLang's select asks the server
+    for them (left None where the backend cannot render tokens)."""
+    per_choice = meta.get("input_token_logprobs") or []
+    try:
+        texts = backend.token_texts([e[1] for entries in per_choice for e in entries])
+    except UnsupportedFeatureError:
+        return meta
+    it = iter(texts)
+    meta["input_token_logprobs"] = [[(e[0], e[1], next(it)) for e in entries] for entries in per_choice]
+    return meta
 
 
 # ---- running programs -----------------------------------------------------------------------

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from radix_backend.engine import Engine as RadixEngine
-from radix_backend.outputs import GenerateOutput, sglang_finish_reason
+from radix_backend.outputs import GenerateOutput
+from radix_backend.sglang_meta import finished_meta, LogprobOptions, StreamMeta
 from radix_backend.sampling_params import sglang_sampling_params
 
 from .backends.runtime_endpoint import RuntimeEndpoint
@@ -128,11 +129,11 @@ class Engine:
     def _stream(self, item: Any, params: Any, is_ids: bool) -> Iterator[dict[str, Any]]:
         text, ids = "", []
         kwargs = {"input_ids": item} if is_ids else {"prompt": item}
+        meta = StreamMeta("", LogprobOptions())
         for chunk in self.engine.stream(params=params, **kwargs):
             text += chunk.text
             ids += chunk.token_ids
-            yield {"text": text, "output_ids": list(ids), "meta_info": {"completion_tokens": len(ids),
-                   "finish_reason": {"type": chunk.finish_reason} if chunk.finish_reason else None}}
+            yield {"text": text, "output_ids": list(ids), "meta_info": meta.update(chunk)}
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -145,9 +146,5 @@ class Engine:
 
 
 def _as_dict(out: GenerateOutput) -> dict[str, Any]:
-    m = out.meta
-    finish = sglang_finish_reason(out.finish_reason, m.matched_stop, m.completion_tokens)
     return {"text": out.text, "output_ids": list(out.token_ids),
-            "meta_info": {"id": out.request_id, "finish_reason": finish, "prompt_tokens": m.prompt_tokens,
-                          "completion_tokens": m.completion_tokens, "cached_tokens": m.cached_tokens,
-                          "e2e_latency": m.total_time_s}}
+            "meta_info": finished_meta(out, out.request_id, LogprobOptions())}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -72,12 +72,3 @@ class ChoiceScore:
     def normalized_logprob(self) -> float:
         return self.total_logprob / max(1, len(self.token_logprobs))
 
-
-def sglang_finish_reason(finish_reason: str, matched: str | int | None, completion_tokens: int,
-                         message: str | None = None) -> dict[str, Any]:
-    """SGLang's `meta_info.finish_reason`: {"type": "stop", "matched": ...} / {"type": "length", "length": n}."""
-    if finish_reason == "length":
-        return {"type": "length", "length": completion_tokens}
-    if finish_reason == "abort":
-        return {"type": "abort", "message": message or "aborted"}
-    return {"type": "stop", "matched": matched}

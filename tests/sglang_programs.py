@@ -52,8 +52,43 @@ def build() -> dict[str, Any]:
     def short(s, word):
         s += f"The word {word} means" + sgl.gen("meaning", max_tokens=8, stop="\n")
 
+    @sgl.function
+    def logprobs(s):
+        s += "The quick brown fox" + sgl.gen("full", max_tokens=4, return_logprob=True, top_logprobs_num=2,
+                                             logprob_start_len=2, return_text_in_logprobs=True)
+        s += " and" + sgl.gen("plain", max_tokens=3) + sgl.gen("short", max_tokens=2, return_logprob=True)
+
+    @sgl.function
+    def choose_each_way(s):  # (SGLang 0.5.23's client cannot run unconditional_likelihood_normalized against
+        s += QUESTION        # a server that follows its own: input logprobs start at the end for start -1)
+        for i, method in enumerate((sgl.token_length_normalized, sgl.greedy_token_selection)):
+            s += f" {i}." + sgl.select(f"pick{i}", choices=["elephant", "mouse"], choices_method=method)
+
     return {"stop_at_regex": stop_at_regex, "at_least": at_least, "typed": typed, "choose": choose,
-            "branches": branches, "streamed": streamed, "short": short}
+            "branches": branches, "streamed": streamed, "short": short, "logprobs": logprobs,
+            "choose_each_way": choose_each_way}
+
+
+def meta_keys(progs: dict[str, Any]) -> dict[str, Any]:
+    """The meta_info keys each kind of gen and select reports: non-streamed (with and without
+    logprobs, prompt logprobs and token texts), each select method, and a streamed gen's pieces
+    (`text_async_iter(return_meta_data=True)`) and final meta_info."""
+    import asyncio
+
+    keys: dict[str, Any] = {}
+    st = progs["logprobs"].run(temperature=0)
+    keys.update({name: sorted(st.get_meta_info(name)) for name in ("full", "plain", "short")})
+    st = progs["choose_each_way"].run(temperature=0)
+    keys.update({f"pick{i}": sorted(st.get_meta_info(f"pick{i}")) for i in range(2)})
+    state = progs["streamed"].run(stream=True, temperature=0, return_logprob=True)
+
+    async def pieces() -> list[Any]:
+        return [meta async for _, meta in state.text_async_iter("story", return_meta_data=True)]
+
+    metas = asyncio.run(pieces())
+    keys["stream_pieces"] = sorted({k for m in metas for k in m})
+    keys["stream_final"] = sorted(state.get_meta_info("story"))
+    return keys
 
 
 def run_all(progs: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,6 @@ def test_engine_speaks_sglangs_offline_api(tiny_llama_dir):
         assert len(many) == 4 and all(len(o["output_ids"]) == 2 for o in many)
         streamed = list(llm.generate("Hello", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
                                      stream=True))
-        assert streamed[-1]["text"] == one["text"] and streamed[-1]["meta_info"]["finish_reason"] == {"type": "length"}
+        assert streamed[-1]["text"] == one["text"] and streamed[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
         with pytest.raises(InvalidRequestError, match="beam search"):
             llm.generate("x", {"beam_width": 2})

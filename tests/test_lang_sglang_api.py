@@ -158,7 +158,9 @@ class _LogprobStreamBackend(FakeBackend):
                               RequestMeta(completion_tokens=4) if last else None, logprobs=lps)
 
 
-def test_text_iter_with_meta_data_carries_each_chunks_logprobs_and_running_count():
+def test_text_iter_with_meta_data_carries_running_counts_and_logprobs_so_far():
+    """As SGLang's client reports a streamed gen: each piece's meta_info has the logprobs so far
+    (cumulative) and running counts; the last one is the variable's meta_info."""
     @sgl.function
     def prog(s):
         s += sgl.gen("a", return_logprob=True)
@@ -166,10 +168,14 @@ def test_text_iter_with_meta_data_carries_each_chunks_logprobs_and_running_count
     state = prog.run(backend=_LogprobStreamBackend(), stream=True)
     pieces = list(state.text_iter("a", return_meta_data=True))
     assert "".join(p for p, _ in pieces) == "abcd"
-    assert [lp for _, m in pieces for lp in m["output_token_logprobs"]] == [(-0.0, 100), (-1.0, 101), (-2.0, 102),
-                                                                            (-3.0, 103)]
+    last = pieces[-1][1]
+    assert last["output_token_logprobs"] == [(-0.0, 100, None), (-1.0, 101, None), (-2.0, 102, None),
+                                             (-3.0, 103, None)]
+    for _, m in pieces:
+        assert m["output_token_logprobs_length"] == len(m["output_token_logprobs"]) == m["completion_tokens"]
     assert [m["completion_tokens"] for _, m in pieces] == sorted(m["completion_tokens"] for _, m in pieces)
-    assert pieces[-1][1]["completion_tokens"] == 4
+    assert last["completion_tokens"] == 4 and last["finish_reason"] == {"type": "stop", "matched": None}
+    assert state.get_meta_info("a") == last
 
     async def collect():
         state = prog.run(backend=_LogprobStreamBackend(), stream=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import radix_backend.lang as radix_lang
-from sglang_programs import QUESTION, STOP_REGEX, build, run_all
+from sglang_programs import QUESTION, STOP_REGEX, build, meta_keys, run_all
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -125,7 +125,7 @@ def through_radix(engine):
         radix_lang.global_config.default_backend = None
         _swap_sglang(None)
         sys.modules.update(saved)  # SGLang's own modules back, for the tests that use them
-    return progs, results
+    return progs, results, engine
 
 
 def _check_structure(out: dict) -> None:
@@ -153,6 +153,24 @@ def test_radix_lang_gives_the_same_variables_as_sglang_through_the_server(throug
     ours, theirs = through_radix[1], through_sglang[1]
     for key in ("animals", "answer", "year", "wet", "name", "code", "pick", "fact", "meanings"):
         assert ours[key] == theirs[key], key
+
+
+def test_meta_info_keys_are_the_same_in_process_and_through_sglangs_client(through_sglang, through_radix):
+    """Every meta_info key SGLang's client hands a program from our server, the in-process backend
+    reports too, and no other: gen with and without logprobs, select by each method, streaming."""
+    theirs = meta_keys(through_sglang[0])
+    saved = _swap_sglang(radix_lang)
+    radix_lang.set_default_backend(radix_lang.RadixEngineBackend(through_radix[2]))
+    try:
+        ours = meta_keys(through_radix[0])
+    finally:
+        radix_lang.global_config.default_backend = None
+        _swap_sglang(None)
+        sys.modules.update(saved)
+    assert "output_token_logprobs_length" in theirs["stream_pieces"] and "e2e_latency" in theirs["stream_final"]
+    assert {"input_token_logprobs", "input_top_logprobs", "output_top_logprobs"} <= set(theirs["full"])
+    assert "greedy_logprob_matrix" in theirs["pick1"]
+    assert ours == theirs
 
 
 def test_sglang_streams_with_logprobs_from_our_server(through_sglang):

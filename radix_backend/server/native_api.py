@@ -15,8 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ..errors import InvalidRequestError
-from ..outputs import GenerateOutput, sglang_finish_reason
+from ..outputs import GenerateOutput
 from ..sampling_params import sglang_sampling_params
+from ..sglang_meta import finished_meta, LogprobEntry, LogprobOptions, StreamMeta
 from .common import (chunk_as_output, iterate_streams, Job, open_streams, run_jobs, ServerState, sse_event,
                             sse_response)
 from .metrics import RequestTracker
@@ -36,7 +37,7 @@ def add_native_routes(app: FastAPI, state: ServerState) -> None:
                 else req.incremental_streaming_output
             return await _stream_sglang(state, jobs, specs, tracker, incremental)
         outs = await run_jobs(request, engine, jobs, tracker)
-        results = [await _sglang_result(state, job, spec, out, req.return_text_in_logprobs)
+        results = [await _sglang_result(state, job, spec, out)
                    for job, spec, out in zip(jobs, specs, outs)]
         return results if (req.is_batch or len(results) > 1) else results[0]
 
@@ -96,80 +97,52 @@ def _sglang_jobs(req: GenerateReqInput, state: ServerState) -> tuple[list[Job], 
 # ============================================================================ results
 
 
-def _lp_entry(logprob: float | None, token_id: int, state: ServerState, with_text: bool) -> list[Any]:
-    return [logprob, token_id, state.tok(token_id) if with_text else None]
+def _logprob_options(state: ServerState, spec: _LogprobSpec) -> LogprobOptions:
+    texts = (lambda ids: [state.tok(t) for t in ids]) if spec.with_text else None
+    return LogprobOptions(spec.return_logprob, spec.top_logprobs_num, texts)
 
 
-async def _input_logprobs(state: ServerState, job: Job, start: int, with_text: bool) -> list[list[Any]]:
-    """SGLang's input_token_logprobs from `start`: [logprob, id, text]; the first prompt token has None."""
-    ids = job.inputs.get("input_ids") or state.engine.encode(job.inputs["prompt"])
-    start = max(0, start)
-    if start >= len(ids):
+async def _input_logprobs(state: ServerState, job: Job, spec: _LogprobSpec) -> list[LogprobEntry]:
+    """SGLang's input_token_logprobs from logprob_start_len (none for -1); the first prompt token has None."""
+    if not spec.return_logprob or spec.logprob_start_len < 0:
         return []
-    entries: list[list[Any]] = []
-    if start == 0:
-        entries.append(_lp_entry(None, ids[0], state, with_text))
+    ids = job.inputs.get("input_ids") or state.engine.encode(job.inputs["prompt"])
+    start = spec.logprob_start_len
+    pairs: list[tuple[float | None, int]] = []
+    if start < len(ids) and start == 0:
+        pairs.append((None, ids[0]))
         start = 1
     if start < len(ids):
         scores = await asyncio.to_thread(state.engine.score, list(ids[:start]), [list(ids[start:])])
-        entries += [_lp_entry(lp, t, state, with_text) for lp, t in zip(scores[0].token_logprobs, ids[start:])]
-    return entries
+        pairs += list(zip(scores[0].token_logprobs, ids[start:]))
+    return _logprob_options(state, spec).entries(pairs)
 
 
-async def _sglang_result(state: ServerState, job: Job, spec: _LogprobSpec, out: GenerateOutput,
-                         with_text: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "id": job.rid,
-        "finish_reason": sglang_finish_reason(out.finish_reason, out.meta.matched_stop, out.meta.completion_tokens),
-        "prompt_tokens": out.meta.prompt_tokens,
-        "completion_tokens": out.meta.completion_tokens or len(out.token_ids),
-        "cached_tokens": out.meta.cached_tokens,
-        "e2e_latency": out.meta.total_time_s,
-    }
-    if spec.return_logprob:
-        lps = out.logprobs or []
-        meta["output_token_logprobs"] = [_lp_entry(lp.logprob, lp.token_id, state, with_text) for lp in lps]
-        meta["output_top_logprobs"] = [[_lp_entry(v, t, state, with_text) for t, v in lp.top] if spec.top_logprobs_num
-                                       else None for lp in lps]
-        if spec.logprob_start_len >= 0:
-            inp = await _input_logprobs(state, job, spec.logprob_start_len, with_text)
-            meta["input_token_logprobs"] = inp
-            meta["input_top_logprobs"] = [None] * len(inp)
-            known = [e[0] for e in inp if e[0] is not None]
-            meta["normalized_prompt_logprob"] = sum(known) / max(1, len(known))
+async def _sglang_result(state: ServerState, job: Job, spec: _LogprobSpec, out: GenerateOutput) -> dict[str, Any]:
+    meta = finished_meta(out, job.rid, _logprob_options(state, spec), await _input_logprobs(state, job, spec))
     return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta, "index": spec.index}
 
 
 async def _stream_sglang(state: ServerState, jobs: list[Job], specs: list[_LogprobSpec], tracker: RequestTracker,
                          incremental: bool) -> StreamingResponse:
-    """SGLang's stream: `data: {"text", "output_ids", "meta_info"}` events, then [DONE]. Text, ids and
-    output_token_logprobs are cumulative, or only the new part with `incremental` (SGLang's
-    --incremental-streaming-output); meta_info's counts (completion_tokens,
-    output_token_logprobs_length) are always running totals."""
+    """SGLang's stream: `data: {"text", "output_ids", "meta_info"}` events, then [DONE]. Text and ids
+    are cumulative, or only the new part with `incremental` (SGLang's --incremental-streaming-output);
+    meta_info is `StreamMeta`'s."""
     streams, first = await open_streams(state, jobs, tracker)
     finals: list[GenerateOutput | None] = [None] * len(jobs)
+    metas = [StreamMeta(job.rid, _logprob_options(state, spec), incremental, await _input_logprobs(state, job, spec))
+             for job, spec in zip(jobs, specs)]
 
     async def events() -> AsyncGenerator[str, None]:
         texts = [""] * len(jobs)
         ids: list[list[int]] = [[] for _ in jobs]
-        logprobs: list[list[list[Any]]] = [[] for _ in jobs]
         async for i, chunk in iterate_streams(streams, first):
             tracker.tokens(len(chunk.token_ids))
             texts[i] += chunk.text
             ids[i] += chunk.token_ids
-            meta = chunk.meta
-            finish = None
             if chunk.finish_reason is not None:
                 finals[i] = chunk_as_output(chunk, texts[i], ids[i])
-                finish = sglang_finish_reason(chunk.finish_reason, meta.matched_stop if meta else None, len(ids[i]))
-            info: dict[str, Any] = {"id": jobs[i].rid, "finish_reason": finish,
-                                    "prompt_tokens": meta.prompt_tokens if meta else None,
-                                    "completion_tokens": len(ids[i]), "cached_tokens": meta.cached_tokens if meta else None}
-            if specs[i].return_logprob:
-                new = [_lp_entry(lp.logprob, lp.token_id, state, specs[i].with_text) for lp in chunk.logprobs or []]
-                logprobs[i] += new
-                info["output_token_logprobs"] = new if incremental else list(logprobs[i])
-                info["output_token_logprobs_length"] = len(logprobs[i])
+            info = metas[i].update(chunk)
             text = chunk.text if incremental else texts[i]
             out_ids = list(chunk.token_ids) if incremental else ids[i]
             yield sse_event({"text": text, "output_ids": out_ids, "meta_info": info, "index": specs[i].index})
