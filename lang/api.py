@@ -14,7 +14,8 @@ from radix_backend.sampling_params import SamplingParams
 from .backends.base import BaseBackend
 from .choices import ChoicesSamplingMethod, token_length_normalized
 from .errors import ProgramError, StreamUsageError, UnsupportedFeatureError
-from .interpreter import ProgramState, run_program, run_program_batch
+from .async_bridge import run_in_greenlet
+from .interpreter import ProgramState, run_program, run_program_async, run_program_batch, run_program_batch_async
 from .global_config import global_config
 from .ir import GenOptions, SglExpr, SglExprList, SglGen, SglRoleBegin, SglRoleEnd, SglSelect, to_expr
 from .prefix import cache_common_prefix, constant_prefix
@@ -106,6 +107,10 @@ class SglFunction:
         self.func = func
         self.num_api_spec_tokens = num_api_spec_tokens
         self.name = getattr(func, "__name__", "program")
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+            raise ProgramError(
+                f"@function {getattr(func, '__name__', 'program')}: write the program as a plain `def`; "
+                "`await prog.run_async(...)` runs it on the event loop without blocking it")
         params = list(inspect.signature(func).parameters.values())
         if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
             raise ProgramError(f"@function {self.name}: the first parameter must be the program state, e.g. def {self.name}(s, ...)")
@@ -162,6 +167,45 @@ class SglFunction:
         return run_program(self, _as_backend(backend) or get_default_backend(), arguments, defaults, stream=stream,
                            options=options, use_thread=use_thread)
 
+    async def run_async(self, *args: Any, stream: bool = False, backend: BaseBackend | None = None,
+                        **kwargs: Any) -> ProgramState:
+        """`run` for async code: the program runs on this event loop (no thread), every model call
+        awaited, so many programs share one engine from one loop. With `stream=True` it returns at once:
+        `async for piece in state.text_async_iter(name)`, `await state.wait()`. Cancelling the awaiting
+        task aborts the program's requests."""
+        self._check_spec_tokens()
+        defaults, options = _run_defaults(f"{self.name}.run_async()", _split_sampling(kwargs))
+        arguments = self._bind(args, kwargs)
+        return await run_program_async(self, _as_backend(backend) or get_default_backend(), arguments, defaults,
+                                       stream=stream, options=options)
+
+    async def run_batch_async(self, batch_kwargs: list[dict[str, Any]], *, backend: BaseBackend | None = None,
+                              max_concurrency: int | None = None, progress_bar: bool = False,
+                              cache_prefix: bool | None = None, **sampling: Any) -> list[ProgramState]:
+        """`run_batch` for async code: every item a task on this loop (at most `max_concurrency` at
+        once), the engine batching their requests; the states in input order."""
+        if max_concurrency is not None and (not isinstance(max_concurrency, int) or max_concurrency < 1):
+            raise ProgramError(f"max_concurrency must be None or an int >= 1, got {max_concurrency!r}")
+        defaults, options, arguments, backend = self._batch_setup("run_batch_async", batch_kwargs, backend, sampling)
+        if global_config.enable_precache_with_tracing if cache_prefix is None else cache_prefix:
+            await run_in_greenlet(cache_common_prefix, self, backend, arguments)
+        return await run_program_batch_async(self, backend, arguments, defaults, max_concurrency=max_concurrency,
+                                             progress_bar=progress_bar, options=options)
+
+    def _batch_setup(self, where: str, batch_kwargs: Any, backend: BaseBackend | None,
+                     sampling: dict[str, Any]) -> tuple[SamplingParams, GenOptions, list[dict[str, Any]], BaseBackend]:
+        """A batch run's defaults, options, per-item arguments and backend, or a ProgramError."""
+        if not isinstance(batch_kwargs, (list, tuple)) or not all(isinstance(k, dict) for k in batch_kwargs):
+            raise ProgramError(f"{where}() takes a list of dicts of program arguments, e.g. [{{'question': 'q1'}}, ...]")
+        unknown = sorted(set(sampling) - set(RUN_SAMPLING_DEFAULTS))
+        if unknown:
+            raise ProgramError(f"{where}() got unknown keyword(s) {unknown}; sampling keywords: "
+                               f"{sorted(RUN_SAMPLING_DEFAULTS)}")
+        self._check_spec_tokens()
+        defaults, options = _run_defaults(f"{self.name}.{where}()", sampling)
+        arguments = [self._bind((), kw) for kw in batch_kwargs]
+        return defaults, options, arguments, _as_backend(backend) or get_default_backend()
+
     def run_batch(self, batch_kwargs: list[dict[str, Any]], *, backend: BaseBackend | None = None,
                   num_threads: int | str = "auto", progress_bar: bool = False, generator_style: bool = False,
                   cache_prefix: bool | None = None, stream: bool = False,
@@ -172,16 +216,7 @@ class SglFunction:
         common constant prefix in the cache first."""
         if stream:
             raise StreamUsageError("run_batch() does not stream; call run(..., stream=True) for each program to stream")
-        if not isinstance(batch_kwargs, (list, tuple)) or not all(isinstance(k, dict) for k in batch_kwargs):
-            raise ProgramError("run_batch() takes a list of dicts of program arguments, e.g. [{'question': 'q1'}, ...]")
-        unknown = sorted(set(sampling) - set(RUN_SAMPLING_DEFAULTS))
-        if unknown:
-            raise ProgramError(f"run_batch() got unknown keyword(s) {unknown}; sampling keywords: "
-                               f"{sorted(RUN_SAMPLING_DEFAULTS)}")
-        self._check_spec_tokens()
-        defaults, options = _run_defaults(f"{self.name}.run_batch()", sampling)
-        arguments = [self._bind((), kw) for kw in batch_kwargs]
-        backend = _as_backend(backend) or get_default_backend()
+        defaults, options, arguments, backend = self._batch_setup("run_batch", batch_kwargs, backend, sampling)
         if global_config.enable_precache_with_tracing if cache_prefix is None else cache_prefix:
             cache_common_prefix(self, backend, arguments)
         return run_program_batch(self, backend, arguments, defaults, num_threads=num_threads,

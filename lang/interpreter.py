@@ -8,6 +8,8 @@ prompts share the parent's text, are submitted together, after the parent's text
 in the radix cache once (`backend.cache_prefix` at fork time).
 
 `run(stream=True)` executes the program on a background thread; `text_iter()` follows it.
+`run_async` executes it in a greenlet on the caller's event loop (`async_bridge`): the same
+draining, with every backend call awaited, so many programs wait on one engine without threads.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from radix_backend.outputs import GenerateOutput
 from radix_backend.sampling_params import SamplingParams
 from radix_backend.sglang_meta import finished_meta, LogprobEntry, LogprobOptions, StreamMeta
 
+from greenlet import getcurrent
+
+from .async_bridge import call, iterate, run_in_greenlet
 from .chat_template import ChatTemplate
 from .errors import ProgramError, StreamUsageError, UnknownVariableError, UnsupportedFeatureError
 from .global_config import global_config
@@ -62,9 +67,12 @@ class ProgramRun:
         self._chat_template = chat_template
         self.states: list[ProgramState] = []
         self.lock = threading.RLock()
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # a streamed run()'s
+        self.task: asyncio.Task | None = None  # a streamed run_async()'s
+        self.executor: Any = None  # the greenlet running the body
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self._waiters: list[asyncio.Future] = []  # async readers of a run_async program, woken on change
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -72,11 +80,46 @@ class ProgramRun:
             self._chat_template = self.backend.get_chat_template()
         return self._chat_template
 
+    @property
+    def background(self) -> bool:
+        """Streamed: the body runs on its own thread or task while the caller reads."""
+        return self.thread is not None or self.task is not None
+
+    def on_executor(self) -> bool:
+        """Whether the caller is the program's body itself."""
+        if self.thread is not None:
+            return threading.current_thread() is self.thread
+        return getcurrent() is self.executor
+
+    def running_elsewhere(self, what: str) -> bool:
+        """True while a streamed body runs on its thread (the caller may block for it); a program
+        streaming on this event loop cannot be waited for without `await` (StreamUsageError)."""
+        if not self.background or self.done.is_set() or self.on_executor():
+            return False
+        if self.task is not None:
+            raise StreamUsageError(
+                f"{what} needs the program to finish, and it is still running on this event loop: "
+                f"`await state.wait()` first, or read it with `async for ... in state.text_async_iter(...)`")
+        return True
+
+    def wake(self) -> None:
+        """Something changed: wake async readers (called on the loop's thread in run_async mode)."""
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def changed(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
+
     def finish(self) -> None:
         self.done.set()
         for st in self.states:
             with st._cond:
                 st._cond.notify_all()
+        self.wake()
 
 
 class ProgramState(RoleMethods):
@@ -118,7 +161,7 @@ class ProgramState(RoleMethods):
             raise ProgramError(f"fork(size) needs an int >= 1, got {size!r}")
         self.sync(everything=False)
         if size > 1 and self._text:
-            self._run.backend.cache_prefix(self._text)
+            call(self._run.backend, "cache_prefix", self._text)
         return ProgramStateGroup([self._child() for _ in range(size)], src_state=self)
 
     def _child(self) -> "ProgramState":
@@ -135,9 +178,9 @@ class ProgramState(RoleMethods):
     def sync(self, everything: bool = True) -> None:
         """Run all queued work (of the whole program, so sibling forks batch; or only this state's)."""
         run = self._run
-        if run.thread is not None and run.thread is not threading.current_thread() and not run.done.is_set():
+        if run.running_elsewhere("reading the state"):
             run.done.wait()  # a streamed program is still running on its thread
-        if run.error is not None and run.thread is not None:
+        if run.error is not None and run.background:
             raise run.error
         _drain(run.states if everything else [self], only=None if everything else self)
 
@@ -151,7 +194,9 @@ class ProgramState(RoleMethods):
 
     def get_var(self, name: str) -> Any:
         run = self._run
-        if run.thread is not None and run.thread is not threading.current_thread() and not run.done.is_set():
+        if name in self._vars_done and run.background and not run.done.is_set() and not run.on_executor():
+            return self._variables[name]  # a streamed program's finished variable
+        if run.running_elsewhere(f"state[{name!r}]"):
             with self._cond:  # a streamed program: return as soon as this variable is complete
                 self._cond.wait_for(lambda: name in self._vars_done or run.done.is_set())
             if name in self._vars_done and not run.done.is_set():
@@ -184,6 +229,18 @@ class ProgramState(RoleMethods):
         """The exception that stopped a streamed program, if any."""
         return self._run.error
 
+    async def wait(self) -> "ProgramState":
+        """Until a streamed program (run_async or run with stream=True) has finished; raises its error.
+        Cancelling the wait cancels a run_async program (its requests are aborted)."""
+        run = self._run
+        if run.task is not None:
+            await run.task
+        elif run.thread is not None:
+            await asyncio.to_thread(run.done.wait)
+        if run.error is not None:
+            raise run.error
+        return self
+
     def __repr__(self) -> str:
         return f"ProgramState({self._text[-200:]!r})"
 
@@ -192,12 +249,18 @@ class ProgramState(RoleMethods):
         """Increments of the text (or of variable `var_name`) while a streamed program runs. With
         `return_meta_data` (and a variable), `(chunk, meta_info)` pairs, meta_info as SGLang's client
         reports it while a gen streams: running counts and all logprobs so far."""
-        self._check_stream("text_iter")
+        self._check_stream("text_iter", var_name, return_meta_data)
+        if self._run.task is not None:
+            raise StreamUsageError("this program streams on the event loop (run_async): read it with "
+                                   "`async for ... in state.text_async_iter(...)`")
         return self._iter(var_name, return_meta_data)
 
     def text_async_iter(self, var_name: str | None = None, return_meta_data: bool = False) -> AsyncIterator[Any]:
-        """`async for` version of text_iter; waiting happens on a worker thread, not the event loop."""
-        self._check_stream("text_async_iter")
+        """`async for` version of text_iter. A run_async program is followed on the loop itself; a
+        run(stream=True) one is waited for on a worker thread."""
+        self._check_stream("text_async_iter", var_name, return_meta_data)
+        if self._run.task is not None:
+            return self._aiter(var_name, return_meta_data)
         it = self._iter(var_name, return_meta_data)
 
         async def agen() -> AsyncIterator[str]:
@@ -210,34 +273,55 @@ class ProgramState(RoleMethods):
 
         return agen()
 
-    def _check_stream(self, what: str) -> None:
+    def _check_stream(self, what: str, var_name: str | None, return_meta_data: bool) -> None:
         if not self._stream_root:
             raise StreamUsageError(
-                f"{what}() needs a program started with run(..., stream=True) (and the state it returned); "
-                f"for a finished run read state.text() or state[name]"
+                f"{what}() needs a program started with run(..., stream=True) or run_async(..., stream=True) "
+                f"(and the state it returned); for a finished run read state.text() or state[name]"
             )
-
-    def _iter(self, var_name: str | None, return_meta_data: bool = False) -> Iterator[Any]:
         if return_meta_data and var_name is None:
-            raise StreamUsageError("text_iter(return_meta_data=True) needs a variable name: meta data is per gen")
-        run, pos = self._run, 0
+            raise StreamUsageError(f"{what}(return_meta_data=True) needs a variable name: meta data is per gen")
+
+    def _poll(self, var_name: str | None, pos: int, return_meta_data: bool) -> tuple[str, Any, bool]:
+        """What a stream reader at `pos` has not seen yet, its meta_info, and whether it is complete."""
+        with self._cond:
+            current = self._text if var_name is None else self._var_raw.get(var_name, "")
+            finished = self._run.done.is_set() or (var_name is not None and var_name in self._vars_done)
+            meta = None
+            if return_meta_data and var_name is not None:
+                meta = dict(self._var_stream_meta.get(var_name) or self._meta.get(var_name) or {})
+            return current[pos:], meta, finished
+
+    def _iter(self, var_name: str | None, return_meta_data: bool) -> Iterator[Any]:
+        pos = 0
         while True:
             with self._cond:
-                while True:
-                    current = self._text if var_name is None else self._var_raw.get(var_name, "")
-                    finished = run.done.is_set() or (var_name is not None and var_name in self._vars_done)
-                    if len(current) > pos or finished:
-                        break
+                while not ((got := self._poll(var_name, pos, return_meta_data))[0] or got[2]):
                     self._cond.wait()
-                if return_meta_data:
-                    meta = dict(self._var_stream_meta.get(var_name) or self._meta.get(var_name) or {})
-            if len(current) > pos:
-                yield (current[pos:], meta) if return_meta_data else current[pos:]
-                pos = len(current)
+            piece, meta, finished = got
+            if piece:
+                yield (piece, meta) if return_meta_data else piece
+                pos += len(piece)
             if finished:
                 break
-        if run.error is not None:
-            raise run.error
+        self._check_stream_end(var_name)
+
+    async def _aiter(self, var_name: str | None, return_meta_data: bool) -> AsyncIterator[Any]:
+        pos = 0
+        while True:
+            piece, meta, finished = self._poll(var_name, pos, return_meta_data)
+            if piece:
+                yield (piece, meta) if return_meta_data else piece
+                pos += len(piece)
+            if finished:
+                break
+            if not piece:
+                await self._run.changed()
+        self._check_stream_end(var_name)
+
+    def _check_stream_end(self, var_name: str | None) -> None:
+        if self._run.error is not None:
+            raise self._run.error
         if var_name is not None and var_name not in self._vars_done:
             raise UnknownVariableError(f"text_iter({var_name!r}): the program produced no variable {var_name!r}")
 
@@ -250,6 +334,7 @@ class ProgramState(RoleMethods):
             if var is not None and stream_meta is not None:  # a streamed gen's meta_info so far, for text_iter
                 self._var_stream_meta[var] = stream_meta
             self._cond.notify_all()
+        self._run.wake()
 
     def _restart_var(self, name: str | None) -> None:
         """A variable generated again (a gen in a loop) streams from empty."""
@@ -268,6 +353,7 @@ class ProgramState(RoleMethods):
             if meta is not None:
                 self._meta[name] = meta
             self._cond.notify_all()
+        self._run.wake()
 
     def _advance_local(self) -> SglExpr | None:
         """Execute queued local nodes; pop and return the next node that needs the backend."""
@@ -417,7 +503,7 @@ def _execute_backend_step(work: list[tuple[ProgramState, SglExpr]]) -> None:
     for st, node in work:
         if isinstance(node, SglSelect):
             _execute_select(st, node)
-        elif isinstance(node, SglGen) and st._stream_root and threading.current_thread() is st._run.thread:
+        elif isinstance(node, SglGen) and st._stream_root and st._run.background and st._run.on_executor():
             _execute_gen_stream(st, node)
         else:
             assert isinstance(node, SglGen)
@@ -427,7 +513,7 @@ def _execute_backend_step(work: list[tuple[ProgramState, SglExpr]]) -> None:
         plans = [(_gen_params(st._run, node), _gen_options(st._run, node)) for st, node in items]
         prompts = [st._text for (st, _), (_, opt) in zip(items, plans) for _ in range(opt.n)]  # n samples: n requests
         params = [p for p, opt in plans for _ in range(opt.n)]
-        outs = backend.generate(prompts, params)
+        outs = call(backend, "generate", prompts, params)
         if len(outs) != len(prompts):
             raise RuntimeError(f"backend returned {len(outs)} outputs for {len(prompts)} prompts")
         start = 0
@@ -469,7 +555,8 @@ def _store_gen(st: ProgramState, node: SglGen, outs: list[GenerateOutput], promp
 
 
 def _logprob_options(backend: "BaseBackend", params: SamplingParams, options: GenOptions) -> LogprobOptions:
-    texts = backend.token_texts if params.logprobs and options.return_text_in_logprobs else None
+    texts = (lambda ids: call(backend, "token_texts", ids)) if params.logprobs and options.return_text_in_logprobs \
+        else None
     return LogprobOptions(params.logprobs, params.top_logprobs, texts)
 
 
@@ -477,7 +564,7 @@ def _input_logprobs(st: ProgramState, prompt: str, params: SamplingParams, optio
     """gen(logprob_start_len=...)'s prompt logprobs (none without it, as SGLang's default -1)."""
     if not params.logprobs or options.logprob_start_len is None or options.logprob_start_len < 0:
         return []
-    pairs = st._run.backend.prompt_logprobs(prompt, options.logprob_start_len)
+    pairs = call(st._run.backend, "prompt_logprobs", prompt, options.logprob_start_len)
     return _logprob_options(st._run.backend, params, options).entries(pairs)
 
 
@@ -491,7 +578,8 @@ def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
     info: dict[str, Any] = {}
     parts: list[str] = []
     st._restart_var(node.name)
-    for chunk in st._run.backend.generate_stream(prompt, params):
+    backend = st._run.backend
+    for chunk in iterate(lambda: backend.generate_stream(prompt, params), lambda: backend.agenerate_stream(prompt, params)):
         info = stream_meta.update(chunk)
         st._append(chunk.text, var=node.name, stream_meta=info)
         parts.append(chunk.text)
@@ -501,7 +589,7 @@ def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
 
 def _execute_select(st: ProgramState, node: SglSelect) -> None:
     method = node.choices_method
-    scores = st._run.backend.score(st._text, node.choices, unconditional=method.requires_unconditional_logprobs)
+    scores = call(st._run.backend, "score", st._text, node.choices, unconditional=method.requires_unconditional_logprobs)
     decision = method(node.choices, scores)
     st._append(decision.decision)
     if node.name is not None:
@@ -513,7 +601,7 @@ def _with_token_texts(backend: "BaseBackend", meta: dict[str, Any]) -> dict[str,
     for them (left None where the backend cannot render tokens)."""
     per_choice = meta.get("input_token_logprobs") or []
     try:
-        texts = backend.token_texts([e[1] for entries in per_choice for e in entries])
+        texts = call(backend, "token_texts", [e[1] for entries in per_choice for e in entries])
     except UnsupportedFeatureError:
         return meta
     it = iter(texts)
@@ -540,12 +628,13 @@ def run_program(program: Program, backend: "BaseBackend", arguments: dict[str, A
 
 def _execute(program: Program, state: ProgramState, arguments: dict[str, Any]) -> None:
     run = state._run
+    run.executor = getcurrent()
     try:
         state.ret_value = program.func(state, **arguments)
         _drain(run.states)
     except BaseException as exc:
-        run.error = exc
-        if run.thread is None:
+        run.error = exc  # a streamed program's readers get it; a cancelled task stays cancelled
+        if not run.background or isinstance(exc, asyncio.CancelledError):
             raise
     finally:
         run.finish()
@@ -604,3 +693,57 @@ def _run_batch_items(program: Program, backend: "BaseBackend", batch_arguments: 
 
 
 AUTO_MAX_THREADS = 128
+
+
+# ---- running programs on an event loop ------------------------------------------------------
+
+
+async def run_program_async(program: Program, backend: "BaseBackend", arguments: dict[str, Any],
+                            defaults: SamplingParams, stream: bool = False,
+                            options: GenOptions | None = None) -> ProgramState:
+    """Run the program's body in a greenlet on this loop, awaiting every backend call. With
+    `stream`, return at once (the body runs as a task; `text_async_iter`, `await state.wait()`)."""
+    run = ProgramRun(backend, defaults, options=options)
+    state = ProgramState(run, stream_root=stream)
+    body = run_in_greenlet(_execute, program, state, arguments)
+    if stream:
+        run.task = asyncio.ensure_future(body)
+        return state
+    await body
+    return state
+
+
+async def run_program_batch_async(program: Program, backend: "BaseBackend", batch_arguments: list[dict[str, Any]],
+                                  defaults: SamplingParams, max_concurrency: int | None = None,
+                                  progress_bar: bool = False, options: GenOptions | None = None) -> list[ProgramState]:
+    """Every item as its own task on this loop (at most `max_concurrency` at once); the states in
+    input order. The first failure cancels the rest."""
+    from tqdm.auto import tqdm
+
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(batch_arguments), desc=program.name) if progress_bar else None
+
+    async def one(i: int, args: dict[str, Any]) -> ProgramState:
+        try:
+            if limit is None:
+                return await run_program_async(program, backend, args, defaults, options=options)
+            async with limit:
+                return await run_program_async(program, backend, args, defaults, options=options)
+        except Exception as exc:
+            exc.add_note(f"(in run_batch_async item {i}: {args!r:.200})")
+            raise
+        finally:
+            if bar is not None:
+                bar.update(1)
+
+    tasks = [asyncio.ensure_future(one(i, a)) for i, a in enumerate(batch_arguments)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()

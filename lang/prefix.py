@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from radix_backend.sampling_params import SamplingParams
 
+from .async_bridge import call
 from .chat_template import ChatTemplate
 from .errors import ProgramError
 from .interpreter import ProgramRun, ProgramState
@@ -57,4 +58,4 @@ def cache_common_prefix(program: Program, backend: BaseBackend, batch_arguments:
         return
     prefix = batch_common_prefix(program, backend, batch_arguments)
     if len(prefix) >= MIN_CACHED_PREFIX_CHARS:
-        backend.cache_prefix(prefix)
+        call(backend, "cache_prefix", prefix)

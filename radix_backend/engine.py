@@ -286,28 +286,49 @@ class Engine:
     def score(self, prefix: Prompt | list[int], continuations: list[str] | list[list[int]], *,
               unconditional: bool = False) -> list[ChoiceScore]:
         """Log-likelihood of each continuation after `prefix`; the prefix is computed once."""
+        handles, pairs = self._submit_score(prefix, continuations, unconditional)
+        return self._choice_scores(continuations, pairs, [h.wait() for h in handles])
+
+    async def ascore(self, prefix: Prompt | list[int], continuations: list[str] | list[list[int]], *,
+                     unconditional: bool = False) -> list[ChoiceScore]:
+        """Async `score`: awaits without blocking the event loop; cancelling aborts the requests."""
+        handles, pairs = await self._off_loop(lambda: self._submit_score(prefix, continuations, unconditional))
+        try:
+            outputs = [await h.await_result() for h in handles]
+        except BaseException:
+            for h in handles:
+                if not h.done:
+                    self.abort(h.rid)
+            raise
+        return self._choice_scores(continuations, pairs, outputs)
+
+    def _submit_score(self, prefix, continuations, unconditional: bool) -> tuple[list[RequestHandle], list[tuple[list[int], int]]]:
+        """Submit the scoring requests: the shared prefix first (so every continuation hits it), then
+        one per continuation, then (unconditional) each continuation alone. Their handles, in that order."""
         if not continuations:
             raise InvalidRequestError("score() needs at least one continuation")
         prefix_ids = self._prompt_ids(prefix, None, None) if isinstance(prefix, str) else self._prompt_ids(None, prefix, None)
         pairs = [self._split_continuation(prefix, prefix_ids, c) for c in continuations]
-        # Warm the cache with the shared prefix first so every continuation hits it.
         self.scheduler.submit(self._make_req(prefix_ids, SamplingParams(max_new_tokens=0), stream=False))
         reqs = [self._make_req(full, SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=start)
                 for full, start in pairs]
-        uncond_reqs = []
         if unconditional:
-            uncond_reqs = [self._make_req(full[start:], SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=1)
-                           for full, start in pairs]
-        for r in reqs + uncond_reqs:
+            reqs += [self._make_req(full[start:], SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=1)
+                     for full, start in pairs]
+        for r in reqs:
             self.scheduler.submit(r)
+        return [r.handle for r in reqs], pairs
+
+    def _choice_scores(self, continuations, pairs: list[tuple[list[int], int]],
+                       outputs: list[GenerateOutput]) -> list[ChoiceScore]:
         results = []
-        for i, (req, (full, start)) in enumerate(zip(reqs, pairs)):
-            out = req.handle.wait()
+        for i, (full, start) in enumerate(pairs):
             uncond = None
-            if unconditional:
-                uncond = [0.0] + list(uncond_reqs[i].handle.wait().prompt_logprobs or [])
+            if len(outputs) > len(pairs):
+                uncond = [0.0] + list(outputs[len(pairs) + i].prompt_logprobs or [])
             text = continuations[i] if isinstance(continuations[i], str) else self.decode(full[start:])
-            results.append(ChoiceScore(text=text, token_ids=full[start:], token_logprobs=list(out.prompt_logprobs or []),
+            results.append(ChoiceScore(text=text, token_ids=full[start:],
+                                       token_logprobs=list(outputs[i].prompt_logprobs or []),
                                        unconditional_logprobs=uncond))
         return results
 

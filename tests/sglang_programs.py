@@ -69,6 +69,22 @@ def build() -> dict[str, Any]:
             "choose_each_way": choose_each_way}
 
 
+async def run_all_async(progs: dict[str, Any]) -> dict[str, Any]:
+    """`run_all` with run_async and run_batch_async (radix_backend.lang only: SGLang has neither)."""
+    out: dict[str, Any] = {}
+    st = await progs["stop_at_regex"].run_async(temperature=0)
+    out["animals"], out["animals_meta"] = st["animals"], st.get_meta_info("animals")
+    st = await progs["at_least"].run_async(temperature=0)
+    out["answer"], out["answer_meta"] = st["answer"], st.get_meta_info("answer")
+    st = await progs["typed"].run_async(temperature=0)
+    out.update({k: st[k] for k in ("year", "wet", "name", "code")})
+    out["pick"] = (await progs["choose"].run_async(temperature=0))["pick"]
+    out["fact"] = (await progs["branches"].run_async(topic="the moon", temperature=0))["fact"]
+    states = await progs["short"].run_batch_async([{"word": w} for w in ("river", "stone", "cloud")], temperature=0)
+    out["meanings"] = [s["meaning"] for s in states]
+    return out
+
+
 def meta_keys(progs: dict[str, Any]) -> dict[str, Any]:
     """The meta_info keys each kind of gen and select reports: non-streamed (with and without
     logprobs, prompt logprobs and token texts), each select method, and a streamed gen's pieces

@@ -1,11 +1,15 @@
 """The DSL end to end on the embedded SmolLM2-135M-Instruct through RadixEngineBackend:
 each construct, fork prefix reuse in cache_stats, select vs HF brute force, run_batch vs
-sequential runs, constrained gens, streaming and typed errors."""
+sequential runs, constrained gens, streaming, typed errors, and async programs (64 at once on one
+loop; cancellation)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -191,3 +195,46 @@ def test_errors_are_typed(backend):
         state["answr"]
     with pytest.raises(sgl.StreamUsageError):
         state.text_iter()
+
+
+async def test_64_async_programs_match_their_runs_one_by_one_and_share_the_prefix(engine, backend):
+    """run_batch_async on one event loop: the same answers as each program run alone, every item
+    starting from the cached few-shot header, and no thread per program."""
+    questions = [f"What is {a} times {b}?" for a in range(8) for b in range(8)]
+    engine.flush_cache()
+    threads_before, most = threading.active_count(), [0]
+
+    async def count_threads() -> None:
+        while True:
+            most[0] = max(most[0], threading.active_count())
+            await asyncio.sleep(0.005)
+
+    counter = asyncio.ensure_future(count_threads())
+    states = await few_shot.run_batch_async([{"question": q} for q in questions], backend=backend, temperature=0)
+    counter.cancel()
+    header_tokens = len(engine.encode(HEADER + "Q: What is"))
+    assert all(s.get_meta_info("answer")["cached_tokens"] >= header_tokens - 2 for s in states)
+    assert most[0] <= threads_before + 4  # at most the engine's request-preparation threads
+    alone = [few_shot.run(question=q, backend=backend, temperature=0) for q in questions]
+    assert [s["answer"] for s in states] == [s["answer"] for s in alone]
+    one = await few_shot.run_async(question=questions[5], backend=backend, temperature=0)
+    assert one.text() == alone[5].text()
+
+
+async def test_cancelling_an_async_program_aborts_its_requests_and_frees_their_slots(engine, backend):
+    @sgl.function
+    def long_story(s):
+        s += "Write a long story about a lighthouse keeper." + sgl.gen("story", max_tokens=400, ignore_eos=True)
+
+    task = asyncio.ensure_future(long_story.run_async(backend=backend, temperature=0))
+    deadline = time.monotonic() + 60
+    while engine.cache_stats().generated_tokens == 0 or engine.cache_stats().running_requests == 0:
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    while (stats := engine.cache_stats()).running_requests or stats.waiting_requests:
+        assert time.monotonic() < deadline, "the cancelled program's request kept running"
+        await asyncio.sleep(0.02)
+    assert stats.slots_used == stats.cached_slots  # nothing held outside the tree: no leaked slot

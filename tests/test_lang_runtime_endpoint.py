@@ -132,6 +132,13 @@ def test_programs_reach_the_backend_as_its_endpoint_on_both_backends(endpoint, l
     assert endpoint.endpoint is endpoint and local.endpoint is local
     assert local.endpoint.get_model_name() == endpoint.endpoint.get_model_name()
     assert "/" not in local.get_model_name()  # a local checkpoint by its own name, never a host path
+    for backend in (local, endpoint):  # the rest of SGLang's backend surface: refused, with the reason
+        with pytest.raises(sgl.UnsupportedFeatureError, match="join"):
+            backend.endpoint.concatenate_and_append(["a"], "b")
+        with pytest.raises(sgl.UnsupportedFeatureError, match="flush_cache"):
+            backend.endpoint.uncache_prefix("a")
+        with pytest.raises(sgl.UnsupportedFeatureError, match="torch.profiler"):
+            backend.endpoint.stop_profile()
 
     @sgl.function
     def named(s):

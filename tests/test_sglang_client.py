@@ -9,6 +9,7 @@ Assertions are about structure, constraints and protocol, not what the 135M mode
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import radix_backend.lang as radix_lang
-from sglang_programs import QUESTION, STOP_REGEX, build, meta_keys, run_all
+from sglang_programs import QUESTION, STOP_REGEX, build, meta_keys, run_all, run_all_async
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -121,11 +122,12 @@ def through_radix(engine):
     try:
         progs = build()
         results = run_all(progs)
+        results_async = asyncio.run(run_all_async(progs))
     finally:
         radix_lang.global_config.default_backend = None
         _swap_sglang(None)
         sys.modules.update(saved)  # SGLang's own modules back, for the tests that use them
-    return progs, results, engine
+    return progs, results, engine, results_async
 
 
 def _check_structure(out: dict) -> None:
@@ -150,9 +152,12 @@ def test_the_same_source_runs_on_radix_lang_as_sglang(through_radix):
 
 
 def test_radix_lang_gives_the_same_variables_as_sglang_through_the_server(through_sglang, through_radix):
-    ours, theirs = through_radix[1], through_sglang[1]
+    """The same variables from SGLang's client against our server, from `run` in process and from
+    `run_async` / `run_batch_async` in process."""
+    ours, ours_async, theirs = through_radix[1], through_radix[3], through_sglang[1]
     for key in ("animals", "answer", "year", "wet", "name", "code", "pick", "fact", "meanings"):
         assert ours[key] == theirs[key], key
+        assert ours_async[key] == theirs[key], key
 
 
 def test_meta_info_keys_are_the_same_in_process_and_through_sglangs_client(through_sglang, through_radix):
@@ -174,8 +179,6 @@ def test_meta_info_keys_are_the_same_in_process_and_through_sglangs_client(throu
 
 
 def test_sglang_streams_with_logprobs_from_our_server(through_sglang):
-    import asyncio
-
     progs = through_sglang[0]
     state = progs["streamed"].run(stream=True, temperature=0, return_logprob=True)
 

@@ -3,12 +3,16 @@
 A backend turns prompt text into completions and scores continuations. Everything else
 (roles, variables, forks, streaming, batching of forks) lives in the interpreter. To plug in a
 new model server implement `generate` and `score`; the rest has working defaults.
+
+Programs under `run_async` call the `a`-prefixed twins (see `lang.async_bridge`); by default they
+run the synchronous method on a worker thread, and a backend with an async API overrides them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from radix_backend.outputs import ChoiceScore, GenerateOutput, StreamChunk
@@ -44,6 +48,32 @@ class BaseBackend(ABC):
     def get_chat_template(self) -> ChatTemplate:
         return default_template()
 
+    # ---- async twins -----------------------------------------------------------------------
+    async def agenerate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
+        return await asyncio.to_thread(self.generate, prompts, params)
+
+    async def ascore(self, prefix: str, continuations: list[str], *, unconditional: bool = False) -> list[ChoiceScore]:
+        return await asyncio.to_thread(lambda: self.score(prefix, continuations, unconditional=unconditional))
+
+    async def agenerate_stream(self, prompt: str, params: SamplingParams) -> AsyncIterator[StreamChunk]:
+        chunks, done = self.generate_stream(prompt, params), object()
+        try:
+            while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+                yield chunk  # type: ignore[misc]
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+
+    async def aprompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
+        return await asyncio.to_thread(self.prompt_logprobs, prompt, start)
+
+    async def atoken_texts(self, token_ids: list[int]) -> list[str]:
+        return await asyncio.to_thread(self.token_texts, token_ids)
+
+    async def acache_prefix(self, prefix: str) -> None:
+        await asyncio.to_thread(self.cache_prefix, prefix)
+
     @property
     def endpoint(self) -> "BaseBackend":
         """SGLang programs reach a runtime's backend as `.endpoint` (`sgl.Runtime(...).endpoint`);
@@ -66,3 +96,19 @@ class BaseBackend(ABC):
 
     def shutdown(self) -> None:
         """Release what the backend owns (nothing by default)."""
+
+    # ---- SGLang backend calls with no counterpart here: refused with the reason --------------
+    def concatenate_and_append(self, src_rids: list[str], dst_rid: str) -> None:
+        raise UnsupportedFeatureError(
+            "concatenate_and_append (SGLang's KV concatenation of forks) is not supported: "
+            "forks.join('concate_and_append') appends the forks' text, and the radix cache reuses what it can")
+
+    def uncache_prefix(self, rid: str) -> None:
+        raise UnsupportedFeatureError("uncache_prefix: the radix cache evicts by LRU; flush_cache() empties it")
+
+    def start_profile(self) -> None:
+        raise UnsupportedFeatureError("start_profile is not supported: profile the engine with torch.profiler, "
+                                      "or measure with `radix-backend bench`")
+
+    def stop_profile(self) -> None:
+        self.start_profile()

@@ -7,7 +7,7 @@ and chat system prompts are computed once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -56,13 +56,32 @@ class RadixEngineBackend(BaseBackend):
         yield from self.engine.stream(prompt, params)
 
     def prompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
-        ids = self.engine.encode(prompt)
-        entries: list[tuple[float | None, int]] = [(None, ids[0])] if start == 0 and ids else []
-        start = max(start, 1)
-        if start < len(ids):
-            scores = self.engine.score(ids[:start], [ids[start:]])[0]
-            entries += list(zip(scores.token_logprobs, ids[start:]))
-        return entries
+        ids, first = self.engine.encode(prompt), max(start, 1)
+        scores = self.engine.score(ids[:first], [ids[first:]]) if first < len(ids) else None
+        return _prompt_entries(ids, start, scores)
+
+    async def aprompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
+        ids, first = self.engine.encode(prompt), max(start, 1)
+        scores = await self.engine.ascore(ids[:first], [ids[first:]]) if first < len(ids) else None
+        return _prompt_entries(ids, start, scores)
+
+    # ---- async twins on the engine's own async API (no thread per waiting program) ----------
+    async def agenerate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
+        outs = await self.engine.agenerate(list(prompts), list(params))
+        return list(outs) if isinstance(outs, list) else [outs]
+
+    async def agenerate_stream(self, prompt: str, params: SamplingParams) -> AsyncIterator[StreamChunk]:
+        async for chunk in self.engine.astream(prompt, params):
+            yield chunk
+
+    async def ascore(self, prefix: str, continuations: list[str], *, unconditional: bool = False) -> list[ChoiceScore]:
+        return await self.engine.ascore(prefix, list(continuations), unconditional=unconditional)
+
+    async def atoken_texts(self, token_ids: list[int]) -> list[str]:
+        return self.token_texts(token_ids)  # the tokenizer, in process: no wait
+
+    async def acache_prefix(self, prefix: str) -> None:
+        await self.engine.agenerate(prefix, SamplingParams(max_new_tokens=0))
 
     def token_texts(self, token_ids: list[int]) -> list[str]:
         return [self.engine.decode([t], skip_special_tokens=False) for t in token_ids]
@@ -78,3 +97,11 @@ class RadixEngineBackend(BaseBackend):
 
     def get_server_info(self) -> dict[str, Any]:
         return {"backend": "radix_engine", "cache_stats": asdict(self.engine.cache_stats())}
+
+
+def _prompt_entries(ids: list[int], start: int, scores: list[ChoiceScore] | None) -> list[tuple[float | None, int]]:
+    """(logprob, id) of each prompt token from `start`; the first prompt token has None."""
+    entries: list[tuple[float | None, int]] = [(None, ids[0])] if start <= 0 and ids else []
+    if scores is not None:
+        entries += list(zip(scores[0].token_logprobs, ids[max(start, 1):]))
+    return entries

@@ -367,6 +367,15 @@ class Router:
         finally:
             self.release(idx, key)
 
+    async def ascore(self, prefix: str | list[int], continuations: list[str] | list[list[int]], *,
+                     unconditional: bool = False) -> list[ChoiceScore]:
+        key = list(prefix) if isinstance(prefix, list) else self.encode(prefix)
+        idx = self.choose(key)
+        try:
+            return await self.replicas[idx].ascore(prefix, continuations, unconditional=unconditional)
+        finally:
+            self.release(idx, key)
+
     # ------------------------------------------------------------------ cache and lifecycle
 
     def cache_stats(self) -> Any:
