@@ -253,14 +253,18 @@ class Engine:
     async def agenerate(self, prompt=None, params=None, *, input_ids=None, messages=None):
         """Async `generate`: awaits without blocking the event loop; cancelling aborts the requests."""
         handles, batched = await self._off_loop(lambda: self._submit_many(prompt, params, input_ids, messages))
+        outputs = await self._await_all(handles)
+        return outputs if batched else outputs[0]
+
+    async def _await_all(self, handles: list[RequestHandle]) -> list[GenerateOutput]:
+        """Every handle's output; if the caller is cancelled (or one fails), the unfinished ones abort."""
         try:
-            outputs = [await h.await_result() for h in handles]
+            return [await h.await_result() for h in handles]
         except BaseException:
             for h in handles:
                 if not h.done:
                     self.abort(h.rid)
             raise
-        return outputs if batched else outputs[0]
 
     def stream(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                input_ids: list[int] | None = None, messages: list[Message] | None = None) -> Iterator[StreamChunk]:
@@ -293,14 +297,7 @@ class Engine:
                      unconditional: bool = False) -> list[ChoiceScore]:
         """Async `score`: awaits without blocking the event loop; cancelling aborts the requests."""
         handles, pairs = await self._off_loop(lambda: self._submit_score(prefix, continuations, unconditional))
-        try:
-            outputs = [await h.await_result() for h in handles]
-        except BaseException:
-            for h in handles:
-                if not h.done:
-                    self.abort(h.rid)
-            raise
-        return self._choice_scores(continuations, pairs, outputs)
+        return self._choice_scores(continuations, pairs, await self._await_all(handles))
 
     def _submit_score(self, prefix, continuations, unconditional: bool) -> tuple[list[RequestHandle], list[tuple[list[int], int]]]:
         """Submit the scoring requests: the shared prefix first (so every continuation hits it), then
