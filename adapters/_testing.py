@@ -16,7 +16,7 @@ from typing import Any
 
 from radix_backend.errors import InvalidRequestError
 from radix_backend.outputs import GenerateOutput, RequestMeta, StreamChunk
-from radix_backend.radix_cache import common_prefix_len
+from radix_backend.utils import common_prefix_len
 from radix_backend.sampling_params import SamplingParams
 
 Reply = Callable[[str, SamplingParams], str]

@@ -24,7 +24,7 @@ from guidance.models._engine import Engine as GuidanceEngine  # noqa: E402
 from guidance.models._engine import EngineInterpreter, LogitsOutput  # noqa: E402
 from guidance.models._transformers import TransformersTokenizer  # noqa: E402
 
-from radix_backend.radix_cache import common_prefix_len  # noqa: E402
+from radix_backend.utils import common_prefix_len  # noqa: E402
 from radix_backend.engine_like import LogitsEngine  # noqa: E402
 from radix_backend.errors import InvalidRequestError, PromptTooLongError  # noqa: E402
 

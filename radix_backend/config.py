@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from .admission import SCHEDULE_POLICIES
 from .kernels.registry import BACKEND_NAMES
-from .quantize import QUANTIZATION_MODES
 
 TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 DTYPE_NAMES = ("auto", *TORCH_DTYPES)
+QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")  # the order of waiting requests (see scheduler/admission.py)
 
 
 def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None, cli: bool = True) -> Any:

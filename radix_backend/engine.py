@@ -20,12 +20,12 @@ import torch
 
 from .config import EngineConfig
 from .errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
-from .loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint
-from .model_runner import ModelRunner
+from .model_executor.loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint
+from .model_executor.model_runner import ModelRunner
 from .outputs import ChoiceScore, GenerateOutput, StreamChunk
-from .request import Req, RequestHandle
+from .scheduler.request import Req, RequestHandle
 from .sampling_params import SamplingParams, check_encodable
-from .scheduler import Scheduler
+from .scheduler.scheduler import Scheduler
 
 PREP_THREADS = 4  # concurrent request preparations (tokenizing, templating, grammar compiling) per engine
 
@@ -127,7 +127,7 @@ class Engine:
         """The llguidance compiler, built on first use (constrained decoding is optional)."""
         with self._compiler_lock:
             if self._compiler is None:
-                from .constrained import ConstraintCompiler
+                from .scheduler.constrained import ConstraintCompiler
                 self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
             return self._compiler
 

@@ -36,7 +36,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
-    # Constraints (compiled by radix_backend.constrained through llguidance).
+    # Constraints (compiled by radix_backend.scheduler.constrained through llguidance).
     regex: str | None = None
     json_schema: Any = None  # dict, JSON string, or pydantic model class
     grammar: str | None = None  # Lark / EBNF

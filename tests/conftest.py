@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if TYPE_CHECKING:
-    from radix_backend.loader import Checkpoint
+    from radix_backend.model_executor.loader import Checkpoint
 
 TINY_VOCAB = 49152  # SmolLM2's tokenizer
 TINY_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -49,7 +49,7 @@ def _test_environment() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def smollm2_checkpoint() -> Checkpoint:
     """The embedded SmolLM2-135M-Instruct (its GGUF, read in place)."""
-    from radix_backend.loader import resolve_checkpoint  # lazily: a broken package fails only its users
+    from radix_backend.model_executor.loader import resolve_checkpoint  # lazily: a broken package fails only its users
 
     return resolve_checkpoint(None)
 
@@ -58,7 +58,7 @@ def smollm2_checkpoint() -> Checkpoint:
 def smollm2_hf_dir(smollm2_checkpoint: Checkpoint) -> str:
     """The embedded model as an fp32 HF checkpoint dir (written once into the user cache), for
     loading it with transformers as the reference."""
-    from radix_backend.loader import hf_directory
+    from radix_backend.model_executor.loader import hf_directory
 
     return str(hf_directory(smollm2_checkpoint))
 
@@ -66,7 +66,7 @@ def smollm2_hf_dir(smollm2_checkpoint: Checkpoint) -> str:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_checkpoint: Checkpoint):
     """SmolLM2's tokenizer with its chat template."""
-    from radix_backend.loader import load_tokenizer
+    from radix_backend.model_executor.loader import load_tokenizer
 
     return load_tokenizer(smollm2_checkpoint)
 

@@ -113,7 +113,7 @@ def _copy_tokenizer(writer, vocab: int) -> None:
     """The embedded SmolLM2 tokenizer (cut to its first `vocab` tokens) with its chat template."""
     import gguf
 
-    from radix_backend.loader import embedded_gguf_path
+    from radix_backend.model_executor.loader import embedded_gguf_path
 
     reader = gguf.GGUFReader(str(embedded_gguf_path()))
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:vocab]
@@ -196,7 +196,7 @@ def requantize_smollm2(path: Path, types: dict[str, str]) -> Path:
     ("ffn_down", "attn_v", "token_embd", ...) to a type; other matrices keep Q8_0."""
     import gguf
 
-    from radix_backend.loader import embedded_gguf_path
+    from radix_backend.model_executor.loader import embedded_gguf_path
 
     reader = gguf.GGUFReader(str(embedded_gguf_path()))
     writer = gguf.GGUFWriter(str(path), "llama")

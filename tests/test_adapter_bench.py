@@ -16,7 +16,7 @@ def test_adapters_bench_small() -> None:
     from transformers import AutoModelForCausalLM
 
     from radix_backend.bench import adapters_bench as ab
-    from radix_backend.loader import hf_directory
+    from radix_backend.model_executor.loader import hf_directory
     from radix_backend.engine import get_engine
 
     engine: Any = get_engine()

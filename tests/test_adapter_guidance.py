@@ -21,7 +21,7 @@ from radix_backend.adapters._testing import TransformersLogitsEngine  # noqa: E4
 from radix_backend.bench.baselines import guidance_transformers_baseline  # noqa: E402
 from radix_backend.adapters.guidance import RadixGuidance, RadixGuidanceEngine  # noqa: E402
 from radix_backend.errors import InvalidRequestError, MissingDependencyError  # noqa: E402
-from radix_backend.loader import hf_directory  # noqa: E402
+from radix_backend.model_executor.loader import hf_directory  # noqa: E402
 
 SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},
                 "required": ["ok", "color"], "additionalProperties": False}
@@ -47,7 +47,7 @@ def chat_program(lm: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from radix_backend.loader import load_tokenizer, resolve_checkpoint
+    from radix_backend.model_executor.loader import load_tokenizer, resolve_checkpoint
 
     return load_tokenizer(resolve_checkpoint(None))
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from radix_backend.admission import (DECODE_RESERVE_TOKENS, IN_BATCH_PREFIX_TOKENS, PrefillAdder, StepBudget,
+from radix_backend.scheduler.admission import (DECODE_RESERVE_TOKENS, IN_BATCH_PREFIX_TOKENS, PrefillAdder, StepBudget,
                                      order_waiting)
 from radix_backend.config import EngineConfig
-from radix_backend.request import Req, RequestHandle
+from radix_backend.scheduler.request import Req, RequestHandle
 from radix_backend.sampling_params import SamplingParams
 
 
@@ -155,7 +155,7 @@ def test_stop_regex_is_validated():
 def test_suppress_tokens_masks_only_the_rows_given():
     import torch
 
-    from radix_backend.sampling import suppress_tokens
+    from radix_backend.scheduler.sampling import suppress_tokens
 
     logits = torch.zeros(2, 5)
     suppress_tokens(logits, {1: {0, 3, 99}})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -67,7 +66,7 @@ def test_a_missing_peer_is_skipped_with_its_install_command(tmp_path, capsys):
 
 
 def test_plan_holds_the_same_token_ids_for_every_system(smollm2_checkpoint):
-    from radix_backend.loader import embedded_gguf_path
+    from radix_backend.model_executor.loader import embedded_gguf_path
 
     plan = peers.build_plan(embedded_gguf_path(), quick=True, decode_tokens=16, hf_dir=False)
     assert [w["name"] for w in plan["workloads"]] == ["few-shot", "multi-turn", "branching"]

@@ -1,4 +1,4 @@
-"""Constrained decoding (radix_backend.constrained) driven by a seeded random-token "model".
+"""Constrained decoding (radix_backend.scheduler.constrained) driven by a seeded random-token "model".
 
 At each step the driver picks a random token the mask allows, advances, appends the forced
 (jump-forward) tokens, until the grammar finishes; the decoded text must then match the regex,
@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from radix_backend.constrained import (
+from radix_backend.scheduler.constrained import (
     ConstraintCompiler,
     TokenConstraint,
     apply_bitmask,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from radix_backend import Engine, SamplingParams
-from radix_backend.kv_store import SUFFIX
+from radix_backend.mem_cache.kv_store import SUFFIX
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 WORDS = "apple river stone cloud maple tiger violet ember harbor quartz".split()
@@ -95,7 +95,7 @@ def test_corrupted_or_truncated_entries_are_misses(tiny_llama_dir: Path, tmp_pat
         flipped[-i] ^= 0xFF
     victims[0].write_bytes(bytes(flipped))
     victims[1].write_bytes(victims[1].read_bytes()[:1000])  # truncated
-    with caplog.at_level(logging.WARNING, logger="radix_backend.kv_store"), tiny(tiny_llama_dir, disk) as second:
+    with caplog.at_level(logging.WARNING, logger="radix_backend.mem_cache.kv_store"), tiny(tiny_llama_dir, disk) as second:
         out = second.generate(input_ids=ids, params=GREEDY)
         second.flush_cache()
         out2 = second.generate(input_ids=ids, params=GREEDY)  # now with the bad blocks rewritten
@@ -129,7 +129,7 @@ def test_another_model_never_loads_the_kv(tiny_llama_dir: Path, tmp_path: Path) 
         theirs = second.scheduler.disk.store
         assert theirs.dir != ours.dir and theirs.fingerprint != ours.fingerprint
         # plant the first model's blocks under the names the second model would look up
-        from radix_backend.kv_store import block_hashes
+        from radix_backend.mem_cache.kv_store import block_hashes
 
         planted = []
         for mine, name in zip(block_hashes(ids, 64, ours.fingerprint), block_hashes(ids, 64, theirs.fingerprint)):
@@ -149,13 +149,13 @@ def test_full_disk_degrades_to_memory_only(tiny_llama_dir: Path, tmp_path: Path,
                                            caplog: pytest.LogCaptureFixture) -> None:
     import errno
 
-    from radix_backend import kv_store
+    from radix_backend.mem_cache import kv_store
 
     def no_space(self, job):  # noqa: ANN001
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(kv_store.DiskKVStore, "_write", no_space)
-    with caplog.at_level(logging.WARNING, logger="radix_backend.kv_store"), \
+    with caplog.at_level(logging.WARNING, logger="radix_backend.mem_cache.kv_store"), \
             tiny(tiny_llama_dir, tmp_path / "kv") as eng:
         ids = prompt_ids(eng, 160, salt=5)
         first = eng.generate(input_ids=ids, params=GREEDY)

@@ -146,7 +146,7 @@ def test_engine_hands_kv_to_the_tree_through_the_cache_methods(tiny_llama_dir, m
     """The hand-over the property tests in test_radix_cache.py exercise is the one the engine runs:
     chunked prefill calls cache_unfinished, finishing calls cache_finished, and nothing else
     inserts into the tree."""
-    from radix_backend.radix_cache import RadixCache
+    from radix_backend.mem_cache.radix_cache import RadixCache
 
     calls: list[str] = []
     for name in ("cache_finished", "cache_unfinished"):
@@ -175,7 +175,7 @@ def test_final_stream_chunk_usage_is_complete_when_pushed_and_never_changes(engi
     output is built): its counts must already be filled in, and later bookkeeping must not touch it."""
     from copy import deepcopy
 
-    from radix_backend.request import RequestHandle
+    from radix_backend.scheduler.request import RequestHandle
 
     seen_at_push = []
     original = RequestHandle.push_chunk

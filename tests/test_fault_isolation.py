@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from radix_backend import SamplingParams
-from radix_backend import constrained, request, scheduler
+from radix_backend.scheduler import constrained, request, scheduler
 
 POISON = 666_666  # the seed that marks the faulty request (greedy rows ignore their seed)
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a hole in the ground", "It was a bright cold day"]

@@ -16,7 +16,7 @@ from gguf_files import ModelSpec, requantize_smollm2, write_model
 from radix_backend import Engine, SamplingParams
 from radix_backend.errors import ModelLoadError
 from radix_backend.kernels import native, ops, quant
-from radix_backend.loader import resolve_checkpoint
+from radix_backend.model_executor.loader import resolve_checkpoint
 
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radix_backend.errors import InvalidRequestError
-from radix_backend.kv_pool import (KVPool, KVPoolConfig, SlotAccountingError, SlotAllocator,
+from radix_backend.mem_cache.kv_pool import (KVPool, KVPoolConfig, SlotAccountingError, SlotAllocator,
                                    kv_tokens_for_budget)
 
 

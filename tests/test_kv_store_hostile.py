@@ -1,6 +1,6 @@
 """Block files are untrusted input: whatever sits in the disk tier's directory (damaged, crafted,
 planted by another local user) is a miss or the exact block written, never a crash, a hang, a
-huge allocation or another request's KV (radix_backend/kv_store.py)."""
+huge allocation or another request's KV (radix_backend/mem_cache/kv_store.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from radix_backend.kv_store import _HEADER, FORMAT_VERSION, MAGIC, SUFFIX, DiskKVStore, model_fingerprint
+from radix_backend.mem_cache.kv_store import _HEADER, FORMAT_VERSION, MAGIC, SUFFIX, DiskKVStore, model_fingerprint
 
 SHAPE = (2, 8, 2, 4)  # layers, block tokens, kv heads, head dim
 TOKENS = list(range(100, 108))

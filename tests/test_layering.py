@@ -1,9 +1,10 @@
 """The layering, pinned by an import scan of the source (no imports are executed).
 
     kernels  <-  core  <-  {lang, adapters, server}  <-  app (cli, demo, bench)
+    core:  vocabulary  <-  {mem_cache, models}  <-  model_executor  <-  scheduler  <-  engine
 
-kernels import nothing of the package; core imports no frontend or app module; lang, adapters and
-server import none of each other; nothing below the app layer imports it; and no two modules
+kernels import nothing of the package; core imports no frontend or app module, and inside core
+each floor imports only itself and the floors below; lang, adapters and server import none of each other; nothing below the app layer imports it; and no two modules
 import each other, directly or round a circle (lazy imports inside functions count; imports under
 `if TYPE_CHECKING:` do not, as they never run).
 """
@@ -56,6 +57,26 @@ def _layer(module: str) -> str:
     if any(module == a or module.startswith(a + ".") for a in APP):
         return "app"
     return "core"
+
+
+# Inside core, floors from the bottom: a module imports its own floor or lower ones, and the
+# sub-packages of one floor import none of each other (mem_cache knows no model, and no scheduler).
+CORE_FLOORS: tuple[dict[str, tuple[str, ...]], ...] = (  # floor -> {part: its packages or modules}
+    {"vocabulary": ()},  # the root modules not named below: config, sampling_params, outputs, errors, ...
+    {"mem_cache": ("radix_backend.mem_cache",), "models": ("radix_backend.models",)},
+    {"model_executor": ("radix_backend.model_executor",)},
+    {"scheduler": ("radix_backend.scheduler",)},
+    {"engine": ("radix_backend.engine", "radix_backend.engine_like", "radix_backend")},
+)
+
+
+def _core_floor(module: str) -> tuple[int, str]:
+    """(floor, part) of a core module."""
+    for level, parts in enumerate(CORE_FLOORS):
+        for part, names in parts.items():
+            if module in names or any(n != "radix_backend" and module.startswith(n + ".") for n in names):
+                return level, part
+    return 0, "vocabulary"
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -119,7 +140,7 @@ def test_the_scan_sees_the_package():
     assert {"radix_backend.engine", "radix_backend.kernels.registry", "radix_backend.lang.api",
             "radix_backend.adapters.langchain", "radix_backend.server.app", "radix_backend.bench.peers"} <= set(MODULES)
     assert "radix_backend.kernels.attention_base" in GRAPH["radix_backend.kernels.registry"]
-    assert "radix_backend.scheduler" in GRAPH["radix_backend.engine"]
+    assert "radix_backend.scheduler.scheduler" in GRAPH["radix_backend.engine"]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -127,6 +148,25 @@ def test_imports_stay_in_their_layers(module):
     layer = _layer(module)
     bad = sorted(dep for dep in GRAPH[module] if _layer(dep) not in ALLOWED[layer])
     assert not bad, f"{module} ({layer}) imports {bad}, outside {sorted(ALLOWED[layer])}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) == "core"))
+def test_core_modules_import_only_their_floor_or_lower(module):
+    level, part = _core_floor(module)
+    bad = []
+    for dep in GRAPH[module]:
+        if _layer(dep) != "core":
+            continue
+        dep_level, dep_part = _core_floor(dep)
+        if dep_level > level or (dep_level == level and dep_part != part):
+            bad.append(f"{dep} ({dep_part})")
+    assert not bad, f"{module} ({part}) imports {sorted(bad)} from its own floor's neighbour or above"
+
+
+def test_the_core_floors_are_real_packages():
+    for parts in CORE_FLOORS[1:4]:
+        for (package,) in parts.values():
+            assert any(m.startswith(package + ".") for m in MODULES), package
 
 
 def test_no_import_circles():

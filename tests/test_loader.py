@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from gguf_files import ModelSpec, write_model
-from radix_backend import loader
+from radix_backend.model_executor import loader
 from radix_backend.errors import ModelLoadError
-from radix_backend.loader import (Checkpoint, embedded_gguf_path, gguf_cache_path, hf_directory, iter_weights,
+from radix_backend.model_executor.loader import (Checkpoint, embedded_gguf_path, gguf_cache_path, hf_directory, iter_weights,
                                   load_tokenizer,
                                   resolve_checkpoint, weight_files)
 from radix_backend.paths import cache_dir

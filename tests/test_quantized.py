@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radix_backend.kernels import native, q8, quant
-from radix_backend.quantize import quantize_model
+from radix_backend.model_executor.quantize import quantize_model
 
 
 def gguf_q4_1(weight: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ def test_int8_linear_matches_fp32():
 
 
 def test_auto_leaves_fp_checkpoints_and_non_cpu_setups_alone(tiny_llama_dir):
-    from radix_backend.loader import iter_weights, resolve_checkpoint
+    from radix_backend.model_executor.loader import iter_weights, resolve_checkpoint
     from radix_backend.models import build_model
 
     ckpt = resolve_checkpoint(str(tiny_llama_dir))

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radix_backend.errors import InvalidRequestError
-from radix_backend.kv_pool import SlotAccountingError, SlotAllocator
-from radix_backend.radix_cache import RadixCache, TreeNode
+from radix_backend.mem_cache.kv_pool import SlotAccountingError, SlotAllocator
+from radix_backend.mem_cache.radix_cache import RadixCache, TreeNode
 
 
 Ref = dict[tuple[int, ...], tuple[int, ...]]

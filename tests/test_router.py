@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radix_backend.errors import InvalidRequestError
-from radix_backend.radix_cache import common_prefix_len
+from radix_backend.utils import common_prefix_len
 from radix_backend.server.router import ApproxRadixTree, Router
 from radix_backend.sampling_params import SamplingParams
 

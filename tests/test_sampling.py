@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from radix_backend import Engine, SamplingParams
-from radix_backend.sampling import SamplerRow, sample
+from radix_backend.scheduler.sampling import SamplerRow, sample
 
 
 def _rows(params: SamplingParams, n: int, seed: int = 0) -> list[SamplerRow]:

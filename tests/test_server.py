@@ -18,7 +18,7 @@ import pytest
 
 from radix_backend.engine import CacheStats
 from radix_backend.errors import ConstraintError, PromptTooLongError
-from radix_backend.radix_cache import common_prefix_len
+from radix_backend.utils import common_prefix_len
 from radix_backend.outputs import ChoiceScore, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
 from radix_backend.sampling_params import SamplingParams
 from radix_backend.server import ServerThread, create_app

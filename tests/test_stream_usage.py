@@ -10,7 +10,7 @@ import time
 import pytest
 
 from radix_backend import SamplingParams
-from radix_backend.request import RequestHandle
+from radix_backend.scheduler.request import RequestHandle
 
 PROMPT = "Count to ten: one two"
 NEW = 6

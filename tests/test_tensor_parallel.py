@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from radix_backend import Engine, SamplingParams
-from radix_backend.distributed import TensorParallelError
+from radix_backend.model_executor.distributed import TensorParallelError
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 PROMPTS = ["The capital of France is", "The capital of France is a city where",
@@ -41,7 +41,7 @@ def _worker_pids() -> list[int]:
             continue
         ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), -1)
         zombie = "State:\tZ" in status
-        if b"radix_backend.tp_worker" in cmd and ppid == os.getpid() and not zombie:
+        if b"radix_backend.model_executor.tp_worker" in cmd and ppid == os.getpid() and not zombie:
             pids.append(int(entry.name))
     return pids
 

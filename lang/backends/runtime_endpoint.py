@@ -139,7 +139,7 @@ class RuntimeEndpoint(BaseBackend):
         if served is not None:
             return served
         try:
-            from radix_backend.loader import load_tokenizer, resolve_checkpoint
+            from radix_backend.model_executor.loader import load_tokenizer, resolve_checkpoint
 
             tok = load_tokenizer(resolve_checkpoint(self.model_info.get("model_path")))
             if tok.chat_template:

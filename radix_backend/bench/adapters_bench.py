@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..loader import hf_directory
+from ..model_executor.loader import hf_directory
 from . import workloads as wl
 
 USER_TURNS = ["Hi! Can you suggest a name for a small bakery?", "Why did you pick that name?",

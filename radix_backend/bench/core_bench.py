@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from ..loader import hf_directory
+from ..model_executor.loader import hf_directory
 from ..sampling_params import SamplingParams
 from . import workloads as wl
 
@@ -109,7 +109,7 @@ def measure_floor(engine: Engine, prefill_tokens: int = 1024, context: int = 256
                   batch_sizes: tuple[int, ...] = (1, 8, 32), steps: int = 8) -> dict[str, Any]:
     """Raw model forwards on the scheduler thread (no scheduling, sampling or detokenizing):
     prefill tokens/s of one long sequence, decode steps/s at several batch sizes."""
-    from ..model_runner import ForwardInput
+    from ..model_executor.model_runner import ForwardInput
 
     def floor() -> dict[str, Any]:
         runner, alloc = engine.runner, engine.scheduler.allocator

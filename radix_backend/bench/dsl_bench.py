@@ -31,7 +31,7 @@ import torch
 import radix_backend.lang as sgl
 from radix_backend.lang import BaseBackend
 
-from ..loader import hf_directory
+from ..model_executor.loader import hf_directory
 from ..outputs import ChoiceScore, GenerateOutput, RequestMeta
 from ..sampling_params import SamplingParams
 
@@ -101,7 +101,7 @@ class NaiveHFBackend(BaseBackend):
     def __init__(self, model_path: str, tokenizer: Any, eos_token_ids: list[int], chat_template: Any) -> None:
         from transformers import AutoModelForCausalLM
 
-        from ..constrained import ConstraintCompiler
+        from ..scheduler.constrained import ConstraintCompiler
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.tokenizer = tokenizer
@@ -177,7 +177,7 @@ class _GrammarProcessor:
         self.bitmask = compiler.allocate_bitmask(1)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from ..constrained import bitmask_to_bool
+        from ..scheduler.constrained import bitmask_to_bool
 
         if input_ids.shape[1] > self.prompt_len:
             self.constraint.advance(int(input_ids[0, -1]))

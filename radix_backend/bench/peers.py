@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..kernels.quant import has_native_bf16
-from ..loader import embedded_gguf_path, hf_directory, load_tokenizer, resolve_checkpoint
+from ..model_executor.loader import embedded_gguf_path, hf_directory, load_tokenizer, resolve_checkpoint
 from . import workloads as wl
 from .core_bench import WORKLOADS, build_workload
 

@@ -66,7 +66,7 @@ def _run(cmd: list[str]) -> dict[str, Any]:
 
 
 def measure(model: str | None, lengths: list[int], llamacpp_python: Path | None) -> dict[str, Any]:
-    from ..loader import embedded_gguf_path, load_tokenizer, resolve_checkpoint
+    from ..model_executor.loader import embedded_gguf_path, load_tokenizer, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(model)
     tokenizer = load_tokenizer(checkpoint)

@@ -4,7 +4,7 @@ One forward call takes a ragged batch: the new tokens of many requests, flattene
 attending to its own cached prefix through the attention backend. Q/K/V and gate/up
 projections are fused into single matmuls, and logits are computed only at the rows asked for.
 
-Tensor parallelism (a `TPShard` given; the process groups live in radix_backend/distributed.py,
+Tensor parallelism (a `TPShard` given; the process groups live in radix_backend/model_executor/distributed.py,
 which this file never imports): q/k/v and gate/up are
 column-parallel (each rank holds its slice of heads / intermediate features), o_proj and
 down_proj are row-parallel and all-reduce their partial sums. Embeddings, norms and lm_head are
@@ -228,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.layers[0].self_attn.head_dim
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, head_dim, config.max_position_embeddings),
                              persistent=False)
-        self.lm_head_quant: nn.Module | None = None  # set by radix_backend.quantize when the head is quantized
+        self.lm_head_quant: nn.Module | None = None  # set by radix_backend.model_executor.quantize when the head is quantized
         # Intra-op threads for the LM head when the caller runs the rest of a small step on fewer
         # (0: as the caller set). The head is one large matmul, where more threads pay off.
         self.head_threads = 0

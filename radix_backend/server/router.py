@@ -31,7 +31,7 @@ from typing import Any
 from ..engine_like import EngineLike
 from ..errors import InvalidRequestError
 from ..outputs import ChoiceScore, GenerateOutput, StreamChunk
-from ..radix_cache import common_prefix_len
+from ..utils import common_prefix_len
 
 POLICIES = ("cache_aware", "round_robin", "shortest_queue")
 

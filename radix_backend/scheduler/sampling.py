@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .outputs import TokenLogprob
-from .sampling_params import SamplingParams
+from ..outputs import TokenLogprob
+from ..sampling_params import SamplingParams
 
 
 @dataclass

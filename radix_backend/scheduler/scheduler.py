@@ -22,12 +22,12 @@ from typing import Callable
 import torch
 
 from .admission import PrefillAdder, StepBudget, needs_match_to_order, order_waiting
-from .config import EngineConfig
-from .errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
-from .model_runner import ForwardInput, ModelRunner
-from .outputs import TokenLogprob
-from .disk_tier import DiskTier, open_disk_tier
-from .radix_cache import RadixCache
+from ..config import EngineConfig
+from ..errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
+from ..model_executor.model_runner import ForwardInput, ModelRunner
+from ..outputs import TokenLogprob
+from ..mem_cache.disk_tier import DiskTier, open_disk_tier
+from ..mem_cache.radix_cache import RadixCache
 from .request import Req
 from .sampling import SamplerRow, add_logit_bias, sample, suppress_tokens, token_logprobs
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from radix_backend.kernels import ggml
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -26,9 +26,10 @@ from torch import nn
 
 from radix_backend.kernels import native, quant
 
+from ..config import QUANTIZATION_MODES
+
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
 _LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 

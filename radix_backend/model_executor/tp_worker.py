@@ -1,6 +1,6 @@
-"""Entry point of a spawned tensor-parallel worker (`python -m radix_backend.tp_worker SPEC`).
+"""Entry point of a spawned tensor-parallel worker (`python -m radix_backend.model_executor.tp_worker SPEC`).
 
-Rank 0 starts one per extra rank (radix_backend/distributed.py). The worker builds its rank's
+Rank 0 starts one per extra rank (radix_backend/model_executor/distributed.py). The worker builds its rank's
 ModelRunner from the same EngineConfig, which joins the process groups and serves rank 0's
 forwards until rank 0 sends the stop message.
 """
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .distributed import ENV_RANK
 from .loader import resolve_checkpoint
 from .model_runner import ModelRunner
@@ -32,5 +32,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if ENV_RANK not in os.environ:
-        sys.exit("radix_backend.tp_worker is started by the engine (Engine(tp_size=N)); do not run it directly")
+        sys.exit("radix_backend.model_executor.tp_worker is started by the engine (Engine(tp_size=N)); do not run it directly")
     main(sys.argv[1:])

@@ -23,7 +23,8 @@ from itertools import count
 
 import torch
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from ..utils import common_prefix_len
 from .kv_pool import SlotAccountingError, SlotAllocator
 
 _node_ids = count()
@@ -54,17 +55,6 @@ class TreeNode:
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
-    """Length of the common prefix of `a` and `b[start:]` (token ids or any comparable items)."""
-    n = min(len(a), len(b) - start)
-    if list(a[:n]) == list(b[start:start + n]):  # the common case, compared in C
-        return n
-    i = 0
-    while a[i] == b[start + i]:
-        i += 1
-    return i
 
 @dataclass
 class MatchResult:

@@ -29,8 +29,8 @@ from .kv_store import DiskKVStore, KVBlock, block_hashes, model_fingerprint
 from .radix_cache import MatchResult, RadixCache, TreeNode
 
 if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .model_runner import ModelRunner
+    from ..config import EngineConfig
+    from ..model_executor.model_runner import ModelRunner
 
 BLOCK_TOKENS = 64  # per file: ~3 MB of fp32 KV for SmolLM2-135M; rounded up to whole KV pages
 

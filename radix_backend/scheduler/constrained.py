@@ -26,8 +26,8 @@ import llguidance
 import llguidance.hf
 import torch
 
-from .errors import ConstraintError
-from .sampling_params import SamplingParams
+from ..errors import ConstraintError
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .request import Req

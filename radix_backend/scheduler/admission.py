@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .radix_cache import common_prefix_len
+from ..utils import common_prefix_len
 from .request import Req
 
-SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 DECODE_RESERVE_TOKENS = 16  # per running request, kept free when admitting new prompts
 IN_BATCH_PREFIX_TOKENS = 8  # shared uncached tokens that make a waiting request defer one step
 

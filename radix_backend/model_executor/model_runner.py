@@ -1,6 +1,6 @@
 """ModelRunner: owns the model weights, the KV pool and the attention backend; runs one ragged batch.
 
-With tp_size > 1 the runner holds this rank's shard and KV heads only (radix_backend/distributed.py
+With tp_size > 1 the runner holds this rank's shard and KV heads only (radix_backend/model_executor/distributed.py
 starts or joins the other ranks); `forward` on rank 0 broadcasts the batch so that every rank runs it.
 """
 
@@ -16,12 +16,12 @@ import torch
 
 from radix_backend.kernels import AttentionMetadata, create_attention_backend, native
 
-from .kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
+from ..mem_cache.kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
-from .models import build_model
-from .models.gguf_weights import build_gguf_model
-from .models.llama import TPShard, check_tp_divisible
-from .config import DTYPE_NAMES, TORCH_DTYPES, EngineConfig
+from ..models import build_model
+from ..models.gguf_weights import build_gguf_model
+from ..models.llama import TPShard, check_tp_divisible
+from ..config import DTYPE_NAMES, TORCH_DTYPES, EngineConfig
 from .quantize import QuantizationReport, default_quantization, gguf_report, native_blocker, quantize_model
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from .outputs import FinishReason, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
-from .sampling_params import SamplingParams
-from .stop_regex import StopRegexWatch
+from ..outputs import FinishReason, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
+from ..sampling_params import SamplingParams
+from ..stop_regex import StopRegexWatch
 
 _DONE = object()
 
@@ -146,7 +146,7 @@ class Req:
     handle: RequestHandle
     eos_token_ids: frozenset[int]
     max_total_tokens: int  # context window
-    constraint: Any = None  # radix_backend.constrained.TokenConstraint or None
+    constraint: Any = None  # radix_backend.scheduler.constrained.TokenConstraint or None
     input_logprob_start: int | None = None  # score(): logprobs of prompt tokens from here on
     return_next_logits: bool = False  # next_token_logits(): keep the logits after the last token
     next_logits: torch.Tensor | None = None

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 from .gguf_file import GGUFModel, open_gguf
-from .paths import cache_dir
+from ..paths import cache_dir
 
 if TYPE_CHECKING:  # transformers / torch are imported lazily: importing this module stays cheap
     import torch

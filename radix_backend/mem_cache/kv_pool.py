@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequestError, RadixBackendError
+from ..errors import InvalidRequestError, RadixBackendError
 
 
 class SlotAccountingError(RadixBackendError, RuntimeError):

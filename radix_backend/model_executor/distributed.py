@@ -5,7 +5,7 @@ Rank 0 is the Engine's process: it owns the scheduler, the radix cache and sampl
 ForwardInput, then all ranks run the same forward; the row-parallel layers all-reduce inside it.
 
 Two launch modes:
-- spawned (the default): rank 0 starts ranks 1..N-1 as `python -m radix_backend.tp_worker`
+- spawned (the default): rank 0 starts ranks 1..N-1 as `python -m radix_backend.model_executor.tp_worker`
   subprocesses that rendezvous on a TCPStore bound to a free loopback port. They load their own
   shards from the checkpoint path and serve forwards until rank 0 sends a stop message.
 - torchrun: when RANK / WORLD_SIZE are set, every rank runs the user's script; `Engine(...,
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import RadixBackendError
+from ..errors import RadixBackendError
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ def _spawn_workers(tp_size: int, device: torch.device, worker_args: dict[str, An
             env = {**os.environ, ENV_RANK: str(rank), ENV_WORLD: str(tp_size), ENV_PORT: str(store.port)}
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(key, None)
-            workers.append(subprocess.Popen([sys.executable, "-m", "radix_backend.tp_worker", args], env=env))
+            workers.append(subprocess.Popen([sys.executable, "-m", "radix_backend.model_executor.tp_worker", args], env=env))
         _wait_for_hello(store, workers)
         group, control = _init_groups(_backend_for(device), 0, tp_size, store)
     except BaseException:

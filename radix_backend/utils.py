@@ -1,0 +1,16 @@
+"""Small helpers several layers share (the radix tree, admission, the router, the adapters)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of `a` and `b[start:]` (token ids or any comparable items)."""
+    n = min(len(a), len(b) - start)
+    if list(a[:n]) == list(b[start:start + n]):  # the common case, compared in C
+        return n
+    i = 0
+    while a[i] == b[start + i]:
+        i += 1
+    return i
