@@ -16,7 +16,7 @@ from radix_backend.bench import gpu_check as gc
 def test_help_runs_and_lists_sections() -> None:
     out = subprocess.run([sys.executable, "-m", "radix_backend.bench.gpu_check", "--help"],
                          capture_output=True, text=True, check=True).stdout
-    assert "--skip-e2e" in out and "--quick" in out and "$OUT" in out
+    assert "--skip-e2e" in out and "--quick" in out and "--out" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit path")

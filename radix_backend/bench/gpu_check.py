@@ -10,7 +10,7 @@
    (decode splits / tile sizes, extend tiles / stages) to tune the defaults;
 3. end to end: the few-shot and branching workloads on the embedded SmolLM2 through
    `radix_backend.Engine(attention_backend=...)` for every available backend;
-then prints a short table (last) and writes `$OUT/gpu_check.json` when `$OUT` is set.
+then prints a short table (last) and writes `gpu_check.json` into the folder given by `--out`.
 
 Every section is guarded: a failure is recorded in the report and the next section still runs.
 """
@@ -541,7 +541,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-sweep", action="store_true", help="skip the Triton launch-config sweep")
-    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json (default: $OUT)")
+    p.add_argument("--out", default=None, help="folder for gpu_check.json (default: none written)")
     return p.parse_args(argv)
 
 
