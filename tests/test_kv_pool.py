@@ -34,7 +34,7 @@ def test_pool_layout_and_write(page_size):
     slots = torch.tensor([page_size, page_size + 3])
     k = torch.randn(2, 2, 4)
     v = torch.randn(2, 2, 4)
-    pool.write(1, slots, k, v)
+    pool.k_cache(1)[slots], pool.v_cache(1)[slots] = k, v  # what the attention backends do, through the views
     assert torch.equal(pool.k_cache(1)[slots], k)
     assert torch.equal(pool.v_cache(1)[slots], v)
     assert pool.k_cache(1).data_ptr() == pool.k_buffer[1].data_ptr()  # a view, not a copy
@@ -58,7 +58,7 @@ def test_a_large_cpu_pool_is_zero_and_costs_memory_only_as_it_is_used(dtype):
     assert pool.k_buffer.dtype == dtype and pool.size_bytes() >= 2 << 30
     assert _resident_bytes() - before < 64 << 20
     assert not pool.k_cache(15)[-8:].any() and not pool.v_cache(3)[:8].any()
-    pool.write(3, torch.tensor([5]), torch.ones(1, 8, 64), torch.ones(1, 8, 64))
+    pool.v_cache(3)[torch.tensor([5])] = torch.ones(1, 8, 64, dtype=dtype)
     assert pool.v_cache(3)[5].eq(1).all() and not pool.v_cache(3)[6].any()
 
 
@@ -199,7 +199,7 @@ def test_cuda_pool_and_allocator(page_size):
     more = a.alloc_extend(int(s[-1]), 20, 30)
     k = torch.randn(50, 2, 8, device="cuda", dtype=torch.float16)
     slots = torch.cat((s, more))
-    pool.write(0, slots, k, k)
+    pool.k_cache(0)[slots] = k
     assert torch.equal(pool.k_cache(0)[slots], k)
     a.free(slots)
     assert a.num_free == a.num_total

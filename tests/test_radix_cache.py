@@ -325,7 +325,7 @@ def test_split_on_match_and_insert_return():
     a, t = make()
     s = insert_fresh(a, t, [1, 2, 3, 4, 5])
     m = t.match_prefix([1, 2, 3, 9, 9])
-    assert len(m) == m.len == 3 and m.slots.tolist() == s[:3].tolist()
+    assert len(m) == 3 and m.slots.tolist() == s[:3].tolist()
     assert m.last_node.key == [1, 2, 3] and t.num_nodes() == 2
     assert t.insert([1, 2, 3, 4, 5, 6], a.alloc(6)) == 5
     assert t.total_size() == 6

@@ -82,11 +82,6 @@ class KVPool:
         """View `[num_slots + page_size, kv_heads, head_dim]` of layer `layer`'s values."""
         return self.v_buffer[layer]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens' K/V `[T, kv_heads, head_dim]` at `slots` `[T]` of `layer`."""
-        self.k_buffer[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v_buffer[layer].index_copy_(0, slots, v.to(self.dtype))
-
     def size_bytes(self) -> int:
         return 2 * self.k_buffer.numel() * self.k_buffer.element_size()
 
@@ -157,9 +152,6 @@ class SlotAllocator:
     @property
     def num_free_pages(self) -> int:
         return self._num_free_pages
-
-    def available_size(self) -> int:
-        return self.num_free
 
     def reset(self) -> None:
         """Mark every page free again (drops all ownership; the caller must hold none)."""

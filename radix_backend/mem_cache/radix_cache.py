@@ -45,10 +45,6 @@ class TreeNode:
         self.last_access_time = access_time
         self.id = next(_node_ids)
 
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __len__(self) -> int:
         return len(self.key)
 
@@ -64,10 +60,6 @@ class MatchResult:
     last_node: TreeNode
 
     def __len__(self) -> int:
-        return int(self.slots.numel())
-
-    @property
-    def len(self) -> int:
         return int(self.slots.numel())
 
 

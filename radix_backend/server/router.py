@@ -386,9 +386,6 @@ class Router:
         total["hit_rate"] = total["cached_tokens"] / total["prompt_tokens"] if total["prompt_tokens"] else 0.0
         return type(first)(**total)
 
-    def replica_cache_stats(self) -> list[Any]:
-        return [r.cache_stats() for r in self.replicas]
-
     def flush_cache(self) -> bool:
         ok = True
         for replica, tree in zip(self.replicas, self.trees):
