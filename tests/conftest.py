@@ -54,6 +54,24 @@ def smollm2_checkpoint() -> Checkpoint:
     return resolve_checkpoint(None)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on the shared SmolLM2 engine is marked `slow` (`-m "not slow"` skips them); a
+    module's own `engine` fixture (another model or config) replaces the shared one and is not."""
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("engine")
+        if defs and not defs[-1].baseid.endswith(".py"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The one SmolLM2 engine of the whole test run: the process-shared `get_engine()` that the
+    adapters and the DSL use by default (modules that need another model or config override it)."""
+    from radix_backend.engine import get_engine
+
+    return get_engine()
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(smollm2_checkpoint: Checkpoint) -> str:
     """The embedded model as an fp32 HF checkpoint dir (written once into the user cache), for

@@ -117,13 +117,6 @@ def test_missing_guidance_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # ---------------------------------------------------------------- slow: real engine
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    from radix_backend.engine import get_engine
-
-    return get_engine()
-
-
 LONG_PREFIX = ("The following is a detailed field guide to the birds of the northern coast. " * 12 +
                "Each entry lists the bird's name, its colors and where it nests.\n")
 

@@ -337,13 +337,6 @@ def test_missing_langchain_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 # ---------------------------------------------------------------- slow: real engine
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    from radix_backend.engine import get_engine
-
-    return get_engine()
-
-
 FEW_SHOT = ("You classify the sentiment of movie reviews as positive or negative.\n"
             "Review: I loved every minute of it. Sentiment: positive\n"
             "Review: A boring, overlong mess. Sentiment: negative\n"

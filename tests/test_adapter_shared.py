@@ -29,13 +29,6 @@ def test_adapters_package_imports_no_framework() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    from radix_backend.engine import get_engine
-
-    return get_engine()
-
-
 def _computed_and_served(engine: Any, run: Any) -> tuple[int, int]:
     """(prompt tokens the engine had to compute, prompt tokens served from the cache) during `run`."""
     before = engine.cache_stats()

@@ -459,14 +459,6 @@ CITY_SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from radix_backend import Engine
-
-    with Engine(kv_cache_tokens=8192) as eng:
-        yield eng
-
-
 def _ask(q: str) -> list[dict]:
     return [{"role": "user", "content": q}]
 

@@ -22,12 +22,6 @@ def hf_model(smollm2_hf_dir):
     return AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with Engine(kv_cache_tokens=16384) as eng:
-        yield eng
-
-
 def _messages(q: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import radix_backend.lang as sgl
-from radix_backend import ChoiceScore, ConstraintError, Engine, SamplingParams
+from radix_backend import ChoiceScore, ConstraintError, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +24,6 @@ HEADER = ("You answer geography and general knowledge questions with one word.\n
           "Q: What is the capital of Italy?\nA: Rome\n"
           "Q: What color is the sky on a clear day?\nA: Blue\n"
           "Q: How many legs does a spider have?\nA: Eight\n")
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with Engine(kv_cache_tokens=16384) as eng:
-        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -20,15 +20,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from radix_backend.engine import Engine
-
-    eng = Engine(None, kv_cache_tokens=32768)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def server(engine):
     with ServerThread(create_app(engine)) as srv:
         yield srv

@@ -86,14 +86,6 @@ def real_sglang():
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from radix_backend import Engine
-
-    with Engine(kv_cache_tokens=16384) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
 def server_url(engine):
     from radix_backend.server import ServerThread, create_app
 
