@@ -216,7 +216,7 @@ def test_unknown_roles_are_400_and_tool_turns_reach_the_template(open_url: str, 
     r = httpx.post(open_url + "/v1/chat/completions",
                    json={"model": model, "messages": messages, "max_tokens": 3, "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
-    from radix_backend.server.common import ServerState
+    from radix_backend.server.state import ServerState
     from radix_backend.server.protocol import ChatCompletionRequest
 
     rendered = ServerState.chat_messages(ChatCompletionRequest(model=model, messages=messages))

@@ -45,7 +45,7 @@ def test_info_routes_sglang_calls(url, engine):
 
 
 def test_model_path_is_the_name_the_model_was_given_not_a_cache_path(url):
-    from radix_backend.server.common import ServerState
+    from radix_backend.server.state import ServerState
 
     class Embedded:
         model_id = "HuggingFaceTB/SmolLM2-135M-Instruct"

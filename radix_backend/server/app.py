@@ -36,7 +36,8 @@ try:
 except ImportError as exc:  # pragma: no cover - the server extra installs them
     raise MissingDependencyError.for_extra("fastapi and uvicorn", "server") from exc
 
-from .common import DEFAULT_MODEL_PATH, ClientDisconnected, ModelNotFoundError, error_json, ServerState, error_response
+from .http_errors import ClientDisconnected, error_json, error_response, ModelNotFoundError
+from .state import DEFAULT_MODEL_PATH, ServerState
 from .guard import API_KEY_ENV, AccessGuard, ServerLimits, is_loopback, resolve_api_key
 from .metrics import ServerMetrics
 from .native_api import add_native_routes

@@ -18,8 +18,9 @@ from ..errors import InvalidRequestError
 from ..outputs import GenerateOutput
 from ..sampling_params import sglang_sampling_params
 from ..sglang_meta import finished_meta, LogprobEntry, LogprobOptions, StreamMeta
-from .common import (chunk_as_output, iterate_streams, Job, open_streams, run_jobs, ServerState, sse_event,
-                            sse_response)
+from .jobs import chunk_as_output, Job, run_jobs
+from .state import ServerState
+from .streaming import iterate_streams, open_streams, sse_event, sse_response
 from .metrics import RequestTracker
 from .protocol import GenerateReqInput
 

@@ -18,8 +18,9 @@ from ..errors import InvalidRequestError
 from ..outputs import GenerateOutput, TokenLogprob
 from ..sampling_params import SamplingParams
 from ..tool_calls import with_system_text
-from .common import (chunk_as_output, iterate_streams, Job, open_streams, run_jobs, ServerState, sse_event, sse_response,
-                            TokenText, usage_info)
+from .jobs import chunk_as_output, Job, run_jobs, usage_info
+from .state import ServerState, TokenText
+from .streaming import iterate_streams, open_streams, sse_event, sse_response
 from .metrics import RequestTracker
 from .tools import tool_plan, tool_reply
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
