@@ -109,7 +109,7 @@ class SglFunction:
         self.name = getattr(func, "__name__", "program")
         if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
             raise ProgramError(
-                f"@function {getattr(func, '__name__', 'program')}: write the program as a plain `def`; "
+                f"@function {self.name}: write the program as a plain `def`; "
                 "`await prog.run_async(...)` runs it on the event loop without blocking it")
         params = list(inspect.signature(func).parameters.values())
         if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):

@@ -20,14 +20,14 @@ import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from typing import TYPE_CHECKING, Any
+
+from greenlet import getcurrent
 
 from radix_backend.outputs import GenerateOutput
 from radix_backend.sampling_params import SamplingParams
 from radix_backend.sglang_meta import finished_meta, LogprobEntry, LogprobOptions, StreamMeta
-
-from greenlet import getcurrent
 
 from .async_bridge import call, iterate, run_in_greenlet
 from .chat_template import ChatTemplate
@@ -549,7 +549,7 @@ def _store_gen(st: ProgramState, node: SglGen, outs: list[GenerateOutput], promp
         return
     if meta is None:
         logprobs = _logprob_options(st._run.backend, params, options)
-        meta = finished_meta(outs[0], outs[0].request_id, logprobs, _input_logprobs(st, prompt, params, options))
+        meta = finished_meta(outs[0], outs[0].request_id, logprobs, _input_logprobs(st, prompt, logprobs, options))
     texts = [o.text for o in outs]
     st._set_var(node.name, texts if len(outs) > 1 else texts[0], meta, raw=texts[0])
 
@@ -560,12 +560,11 @@ def _logprob_options(backend: "BaseBackend", params: SamplingParams, options: Ge
     return LogprobOptions(params.logprobs, params.top_logprobs, texts)
 
 
-def _input_logprobs(st: ProgramState, prompt: str, params: SamplingParams, options: GenOptions) -> list[LogprobEntry]:
+def _input_logprobs(st: ProgramState, prompt: str, logprobs: LogprobOptions, options: GenOptions) -> list[LogprobEntry]:
     """gen(logprob_start_len=...)'s prompt logprobs (none without it, as SGLang's default -1)."""
-    if not params.logprobs or options.logprob_start_len is None or options.logprob_start_len < 0:
+    if not logprobs.return_logprob or options.logprob_start_len is None or options.logprob_start_len < 0:
         return []
-    pairs = call(st._run.backend, "prompt_logprobs", prompt, options.logprob_start_len)
-    return _logprob_options(st._run.backend, params, options).entries(pairs)
+    return logprobs.entries(call(st._run.backend, "prompt_logprobs", prompt, options.logprob_start_len))
 
 
 def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
@@ -573,8 +572,8 @@ def _execute_gen_stream(st: ProgramState, node: SglGen) -> None:
     if options.n != 1:
         raise UnsupportedFeatureError(f"gen({node.name!r}, n>1) cannot stream; run the program without stream=True")
     prompt = st._text
-    stream_meta = StreamMeta("", _logprob_options(st._run.backend, params, options), False,
-                             _input_logprobs(st, prompt, params, options))
+    logprobs = _logprob_options(st._run.backend, params, options)
+    stream_meta = StreamMeta("", logprobs, False, _input_logprobs(st, prompt, logprobs, options))
     info: dict[str, Any] = {}
     parts: list[str] = []
     st._restart_var(node.name)
@@ -725,9 +724,7 @@ async def run_program_batch_async(program: Program, backend: "BaseBackend", batc
 
     async def one(i: int, args: dict[str, Any]) -> ProgramState:
         try:
-            if limit is None:
-                return await run_program_async(program, backend, args, defaults, options=options)
-            async with limit:
+            async with limit or nullcontext():
                 return await run_program_async(program, backend, args, defaults, options=options)
         except Exception as exc:
             exc.add_note(f"(in run_batch_async item {i}: {args!r:.200})")

@@ -59,6 +59,21 @@ class LogprobOptions:
         return out
 
 
+def prompt_logprob_split(ids: Sequence[int], start: int) -> tuple[list[int], list[int]] | None:
+    """What to score for the prompt logprobs from `start` (>= 0): (context, tokens), the tokens from
+    max(start, 1) on (the first prompt token has no logprob); None when no token is left to score."""
+    first = max(start, 1)
+    return (list(ids[:first]), list(ids[first:])) if first < len(ids) else None
+
+
+def prompt_logprob_pairs(ids: Sequence[int], start: int,
+                         scored: Sequence[float] | None) -> list[tuple[float | None, int]]:
+    """(logprob, id) of each prompt token from `start`: None for the first prompt token, then `scored`,
+    the logprobs of `prompt_logprob_split`'s tokens."""
+    pairs: list[tuple[float | None, int]] = [(None, ids[0])] if start == 0 and ids else []
+    return pairs + list(zip(scored or [], ids[max(start, 1):]))
+
+
 def finished_meta(out: GenerateOutput, rid: str, options: LogprobOptions,
                   input_entries: list[LogprobEntry] | None = None) -> dict[str, Any]:
     """meta_info of a finished, non-streamed generation."""

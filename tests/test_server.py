@@ -125,6 +125,9 @@ class FakeEngine:
     def score(self, prefix: Any, continuations: Any, *, unconditional: bool = False) -> list[ChoiceScore]:
         return [ChoiceScore(text=self.decode(c), token_ids=list(c), token_logprobs=[-0.5] * len(c)) for c in continuations]
 
+    async def ascore(self, prefix: Any, continuations: Any, *, unconditional: bool = False) -> list[ChoiceScore]:
+        return self.score(prefix, continuations, unconditional=unconditional)
+
     def cache_stats(self) -> CacheStats:
         used = sum(self.held.values())
         return CacheStats(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,

@@ -107,8 +107,10 @@ class BaseBackend(ABC):
         raise UnsupportedFeatureError("uncache_prefix: the radix cache evicts by LRU; flush_cache() empties it")
 
     def start_profile(self) -> None:
-        raise UnsupportedFeatureError("start_profile is not supported: profile the engine with torch.profiler, "
-                                      "or measure with `radix-backend bench`")
+        raise UnsupportedFeatureError(_NO_PROFILER.format("start_profile"))
 
     def stop_profile(self) -> None:
-        self.start_profile()
+        raise UnsupportedFeatureError(_NO_PROFILER.format("stop_profile"))
+
+
+_NO_PROFILER = "{} is not supported: profile the engine with torch.profiler, or measure with `radix-backend bench`"

@@ -15,6 +15,7 @@ from radix_backend.engine_like import EngineLike
 from radix_backend.outputs import ChoiceScore, GenerateOutput, StreamChunk
 from radix_backend.paths import public_model_name
 from radix_backend.sampling_params import SamplingParams
+from radix_backend.sglang_meta import prompt_logprob_pairs, prompt_logprob_split
 
 from ..chat_template import ChatTemplate, from_renderer
 from .base import BaseBackend
@@ -56,14 +57,16 @@ class RadixEngineBackend(BaseBackend):
         yield from self.engine.stream(prompt, params)
 
     def prompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
-        ids, first = self.engine.encode(prompt), max(start, 1)
-        scores = self.engine.score(ids[:first], [ids[first:]]) if first < len(ids) else None
-        return _prompt_entries(ids, start, scores)
+        ids = self.engine.encode(prompt)
+        split = prompt_logprob_split(ids, start)
+        scored = self.engine.score(split[0], [split[1]])[0].token_logprobs if split else None
+        return prompt_logprob_pairs(ids, start, scored)
 
     async def aprompt_logprobs(self, prompt: str, start: int) -> list[tuple[float | None, int]]:
-        ids, first = self.engine.encode(prompt), max(start, 1)
-        scores = await self.engine.ascore(ids[:first], [ids[first:]]) if first < len(ids) else None
-        return _prompt_entries(ids, start, scores)
+        ids = self.engine.encode(prompt)
+        split = prompt_logprob_split(ids, start)
+        scored = (await self.engine.ascore(split[0], [split[1]]))[0].token_logprobs if split else None
+        return prompt_logprob_pairs(ids, start, scored)
 
     # ---- async twins on the engine's own async API (no thread per waiting program) ----------
     async def agenerate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
@@ -98,10 +101,3 @@ class RadixEngineBackend(BaseBackend):
     def get_server_info(self) -> dict[str, Any]:
         return {"backend": "radix_engine", "cache_stats": asdict(self.engine.cache_stats())}
 
-
-def _prompt_entries(ids: list[int], start: int, scores: list[ChoiceScore] | None) -> list[tuple[float | None, int]]:
-    """(logprob, id) of each prompt token from `start`; the first prompt token has None."""
-    entries: list[tuple[float | None, int]] = [(None, ids[0])] if start <= 0 and ids else []
-    if scores is not None:
-        entries += list(zip(scores[0].token_logprobs, ids[max(start, 1):]))
-    return entries

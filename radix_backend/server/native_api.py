@@ -6,7 +6,6 @@ endpoints (/get_model_info, /get_server_info, /flush_cache) are served there.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,8 @@ from fastapi.responses import StreamingResponse
 from ..errors import InvalidRequestError
 from ..outputs import GenerateOutput
 from ..sampling_params import sglang_sampling_params
-from ..sglang_meta import finished_meta, LogprobEntry, LogprobOptions, StreamMeta
+from ..sglang_meta import (finished_meta, LogprobEntry, LogprobOptions, prompt_logprob_pairs, prompt_logprob_split,
+                           StreamMeta)
 from .jobs import chunk_as_output, Job, run_jobs
 from .state import ServerState
 from .streaming import iterate_streams, open_streams, sse_event, sse_response
@@ -103,24 +103,22 @@ def _logprob_options(state: ServerState, spec: _LogprobSpec) -> LogprobOptions:
     return LogprobOptions(spec.return_logprob, spec.top_logprobs_num, texts)
 
 
-async def _input_logprobs(state: ServerState, job: Job, spec: _LogprobSpec) -> list[LogprobEntry]:
+async def _input_logprobs(state: ServerState, job: Job, spec: _LogprobSpec,
+                          options: LogprobOptions) -> list[LogprobEntry]:
     """SGLang's input_token_logprobs from logprob_start_len (none for -1); the first prompt token has None."""
     if not spec.return_logprob or spec.logprob_start_len < 0:
         return []
     ids = job.inputs.get("input_ids") or state.engine.encode(job.inputs["prompt"])
-    start = spec.logprob_start_len
-    pairs: list[tuple[float | None, int]] = []
-    if start < len(ids) and start == 0:
-        pairs.append((None, ids[0]))
-        start = 1
-    if start < len(ids):
-        scores = await asyncio.to_thread(state.engine.score, list(ids[:start]), [list(ids[start:])])
-        pairs += list(zip(scores[0].token_logprobs, ids[start:]))
-    return _logprob_options(state, spec).entries(pairs)
+    scored = None
+    if (split := prompt_logprob_split(ids, spec.logprob_start_len)) is not None:
+        context, tokens = split
+        scored = (await state.engine.ascore(context, [tokens]))[0].token_logprobs
+    return options.entries(prompt_logprob_pairs(ids, spec.logprob_start_len, scored))
 
 
 async def _sglang_result(state: ServerState, job: Job, spec: _LogprobSpec, out: GenerateOutput) -> dict[str, Any]:
-    meta = finished_meta(out, job.rid, _logprob_options(state, spec), await _input_logprobs(state, job, spec))
+    options = _logprob_options(state, spec)
+    meta = finished_meta(out, job.rid, options, await _input_logprobs(state, job, spec, options))
     return {"text": out.text, "output_ids": list(out.token_ids), "meta_info": meta, "index": spec.index}
 
 
@@ -131,8 +129,10 @@ async def _stream_sglang(state: ServerState, jobs: list[Job], specs: list[_Logpr
     meta_info is `StreamMeta`'s."""
     streams, first = await open_streams(state, jobs, tracker)
     finals: list[GenerateOutput | None] = [None] * len(jobs)
-    metas = [StreamMeta(job.rid, _logprob_options(state, spec), incremental, await _input_logprobs(state, job, spec))
-             for job, spec in zip(jobs, specs)]
+    metas = []
+    for job, spec in zip(jobs, specs):
+        options = _logprob_options(state, spec)
+        metas.append(StreamMeta(job.rid, options, incremental, await _input_logprobs(state, job, spec, options)))
 
     async def events() -> AsyncGenerator[str, None]:
         texts = [""] * len(jobs)
