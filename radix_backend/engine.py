@@ -13,7 +13,6 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from .config import EngineConfig
 from .errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
 from .model_executor.loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint
 from .model_executor.model_runner import ModelRunner
-from .outputs import ChoiceScore, GenerateOutput, StreamChunk
+from .outputs import CacheStats, ChoiceScore, GenerateOutput, StreamChunk
 from .scheduler.request import Req, RequestHandle
 from .sampling_params import SamplingParams, check_encodable
 from .scheduler.scheduler import Scheduler
@@ -31,31 +30,6 @@ PREP_THREADS = 4  # concurrent request preparations (tokenizing, templating, gra
 
 Prompt = str
 Message = dict[str, Any]  # {"role": "system"|"user"|"assistant", "content": str}
-
-
-@dataclass
-class CacheStats:
-    prompt_tokens: int  # prompt tokens seen by the scheduler
-    cached_tokens: int  # of those, served from the radix cache
-    hit_rate: float  # cached_tokens / prompt_tokens
-    nodes: int
-    evictions: int  # evicted tokens
-    slots_total: int
-    slots_used: int  # held by running requests or by the tree
-    slots_free: int
-    cached_slots: int  # owned by the radix tree
-    running_requests: int = 0
-    waiting_requests: int = 0
-    retractions: int = 0
-    forward_steps: int = 0
-    generated_tokens: int = 0
-    disk_hit_tokens: int = 0  # prompt tokens whose KV was loaded from the disk tier (counted in cached_tokens too)
-    disk_bytes_read: int = 0
-    disk_bytes_written: int = 0
-    disk_load_s: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Engine:
@@ -78,7 +52,7 @@ class Engine:
         self._compiler_lock = threading.Lock()
         # async callers' tokenizing, chat templating and grammar compiling run here, off their event loop
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="radix-prep")
-        self.scheduler = Scheduler(self.runner, self.config, decode=self.decode)
+        self.scheduler = Scheduler(self.runner, self.config, detokenize=self.decode)
 
     # ---- tokenizer helpers --------------------------------------------------------------------
     def _collect_eos_ids(self) -> set[int]:
@@ -172,7 +146,7 @@ class Engine:
                 f"this model's context window is {self.context_length} tokens, but {len(prompt_ids)} prompt tokens + "
                 f"max_new_tokens {params.max_new_tokens} = {len(prompt_ids) + params.max_new_tokens}; lower "
                 f"max_new_tokens to at most {self.context_length - len(prompt_ids)}")
-        total = self.scheduler.allocator.num_total
+        total = self.scheduler.kv.total
         needed = len(prompt_ids) + params.max_new_tokens
         if needed > total:
             raise KVCacheTooSmallError(
@@ -363,20 +337,7 @@ class Engine:
 
     # ---- cache and lifecycle ---------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:
-        def collect() -> CacheStats:
-            s, tree, alloc = self.scheduler.stats, self.scheduler.tree, self.scheduler.allocator
-            cached_slots = tree.total_size()
-            disk = self.scheduler.disk.store.stats if self.scheduler.disk is not None else None
-            return CacheStats(
-                prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
-                hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
-                nodes=tree.num_nodes(), evictions=tree.evicted_tokens_total, slots_total=alloc.num_total,
-                slots_used=alloc.num_total - alloc.num_free, slots_free=alloc.num_free, cached_slots=cached_slots,
-                running_requests=len(self.scheduler.running), waiting_requests=len(self.scheduler.waiting),
-                retractions=s.retractions, forward_steps=s.forward_steps, generated_tokens=s.generated_tokens,
-                **({} if disk is None else dict(disk_hit_tokens=disk.hit_tokens, disk_bytes_read=disk.bytes_read,
-                                                disk_bytes_written=disk.bytes_written, disk_load_s=disk.load_s)))
-        return self.scheduler.call(collect)  # type: ignore[return-value]
+        return self.scheduler.call(self.scheduler.cache_stats)  # type: ignore[return-value]
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix in memory; False (and nothing dropped) while requests are in flight.

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -72,3 +72,31 @@ class ChoiceScore:
     def normalized_logprob(self) -> float:
         return self.total_logprob / max(1, len(self.token_logprobs))
 
+
+
+@dataclass
+class CacheStats:
+    """The engine's cache and scheduler counters at one moment (`Engine.cache_stats()`)."""
+
+    prompt_tokens: int  # prompt tokens seen by the scheduler
+    cached_tokens: int  # of those, served from the radix cache
+    hit_rate: float  # cached_tokens / prompt_tokens
+    nodes: int
+    evictions: int  # evicted tokens
+    slots_total: int
+    slots_used: int  # held by running requests or by the tree
+    slots_free: int
+    cached_slots: int  # owned by the radix tree
+    running_requests: int = 0
+    waiting_requests: int = 0
+    retractions: int = 0
+    forward_steps: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    disk_hit_tokens: int = 0  # prompt tokens whose KV was loaded from the disk tier (counted in cached_tokens too)
+    disk_bytes_read: int = 0
+    disk_bytes_written: int = 0
+    disk_load_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from radix_backend.scheduler.admission import (DECODE_RESERVE_TOKENS, IN_BATCH_PREFIX_TOKENS, PrefillAdder, StepBudget,
                                      order_waiting)
 from radix_backend.config import EngineConfig
+from radix_backend.mem_cache.kv_manager import RequestSlots
 from radix_backend.scheduler.request import Req, RequestHandle
 from radix_backend.sampling_params import SamplingParams
 
@@ -16,8 +18,7 @@ def _req(prompt: list[int], *, cached: int = 0, node: object = None, kv_len: int
     params = SamplingParams(max_new_tokens=100, stop=stop or [])
     req = Req(rid=str(id(prompt)), prompt_ids=prompt, params=params, handle=RequestHandle("r", False),
               eos_token_ids=frozenset({0}), max_total_tokens=10_000)
-    req.cached_len, req.last_node = cached, node
-    req.kv_len = cached if kv_len is None else kv_len
+    req.kv = RequestSlots(slots=torch.arange(cached if kv_len is None else kv_len), cached_len=cached, last_node=node)
     return req
 
 

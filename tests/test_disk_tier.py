@@ -73,7 +73,7 @@ def test_short_prefixes_are_written_back_on_eviction(tiny_llama_dir: Path, tmp_p
         for salt in range(2, 6):  # other prompts push it out of the 400-slot pool
             eng.generate(input_ids=prompt_ids(eng, 70, salt=salt), params=GREEDY)
         assert eng.cache_stats().evictions > 0
-        eng.scheduler.disk.store.flush()
+        eng.scheduler.kv.disk.store.flush()
         assert block_files(disk)
         again = eng.generate(input_ids=ids, params=GREEDY)
         assert again.token_ids == expected
@@ -99,7 +99,7 @@ def test_corrupted_or_truncated_entries_are_misses(tiny_llama_dir: Path, tmp_pat
         out = second.generate(input_ids=ids, params=GREEDY)
         second.flush_cache()
         out2 = second.generate(input_ids=ids, params=GREEDY)  # now with the bad blocks rewritten
-        corrupt = second.scheduler.disk.store.stats.corrupt_entries
+        corrupt = second.scheduler.kv.disk.store.stats.corrupt_entries
     assert out.token_ids == cold_tokens and out2.token_ids == cold_tokens
     assert corrupt >= 1 and "ignoring" in caplog.text
     assert out.meta.cached_tokens < len(ids) - 64  # the chain stopped at the first bad block
@@ -122,11 +122,11 @@ def test_another_model_never_loads_the_kv(tiny_llama_dir: Path, tmp_path: Path) 
     with tiny(tiny_llama_dir, disk) as first:
         ids = prompt_ids(first, 160, salt=4)
         first.generate(input_ids=ids, params=GREEDY)
-        ours = first.scheduler.disk.store
+        ours = first.scheduler.kv.disk.store
         ours.flush()
     cold_tokens, _ = cold_run(other_dir, ids)
     with tiny(other_dir, disk) as second:
-        theirs = second.scheduler.disk.store
+        theirs = second.scheduler.kv.disk.store
         assert theirs.dir != ours.dir and theirs.fingerprint != ours.fingerprint
         # plant the first model's blocks under the names the second model would look up
         from radix_backend.mem_cache.kv_store import block_hashes
@@ -159,9 +159,9 @@ def test_full_disk_degrades_to_memory_only(tiny_llama_dir: Path, tmp_path: Path,
             tiny(tiny_llama_dir, tmp_path / "kv") as eng:
         ids = prompt_ids(eng, 160, salt=5)
         first = eng.generate(input_ids=ids, params=GREEDY)
-        eng.scheduler.disk.store.flush()
+        eng.scheduler.kv.disk.store.flush()
         second = eng.generate(input_ids=ids, params=GREEDY)
-        store = eng.scheduler.disk.store
+        store = eng.scheduler.kv.disk.store
         assert store.writes_disabled and "No space left" in store.writes_disabled
         assert store.stats.write_errors == 1  # one failure turns writing off; no retry storm
     assert first.token_ids == second.token_ids and second.meta.cached_tokens > 0  # memory tier still serves
@@ -174,13 +174,13 @@ def test_size_cap_evicts_least_recently_used_files(tiny_llama_dir: Path, tmp_pat
         block_bytes = None
         ids = prompt_ids(probe, 160, salt=6)
         probe.generate(input_ids=ids, params=GREEDY)
-        probe.scheduler.disk.store.flush()
+        probe.scheduler.kv.disk.store.flush()
         block_bytes = block_files(disk)[0].stat().st_size
     cap = 3 * block_bytes + block_bytes // 2
     disk2 = tmp_path / "kv2"
     with tiny(tiny_llama_dir, disk2, disk_cache_bytes=cap) as eng:
         eng.generate(input_ids=ids, params=GREEDY)
-        store = eng.scheduler.disk.store
+        store = eng.scheduler.kv.disk.store
         store.flush()
         assert sum(f.stat().st_size for f in block_files(disk2)) <= cap
         assert store.stats.evicted_files > 0
@@ -203,7 +203,7 @@ def test_concurrent_writers_share_a_directory(tiny_llama_dir: Path, tmp_path: Pa
     with tiny(tiny_llama_dir, disk) as c:
         out = c.generate(input_ids=ids, params=GREEDY)
         assert out.token_ids == cold_tokens and c.cache_stats().disk_hit_tokens > 0
-        assert c.scheduler.disk.store.stats.corrupt_entries == 0
+        assert c.scheduler.kv.disk.store.stats.corrupt_entries == 0
 
 
 def test_config_rejects_disk_tier_without_radix_cache(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from radix_backend import SamplingParams
-from radix_backend.scheduler import constrained, request, scheduler
+from radix_backend.scheduler import constrained, request, sampling
 
 POISON = 666_666  # the seed that marks the faulty request (greedy rows ignore their seed)
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a hole in the ground", "It was a bright cold day"]
@@ -52,14 +52,14 @@ def alone(tiny_engine) -> list[list[int]]:
 
 def poison_sampler(monkeypatch, seed: int = POISON) -> None:
     """Make the scheduler's sampler raise `Poisoned` for any batch holding a row whose seed is `seed`."""
-    real = scheduler.sample
+    real = sampling.sample
 
     def faulty(logits, rows):
         if any(r.params.seed == seed for r in rows):
             raise Poisoned("injected sampler fault")
         return real(logits, rows)
 
-    monkeypatch.setattr(scheduler, "sample", faulty)
+    monkeypatch.setattr(sampling, "sample", faulty)
 
 
 def test_a_sampler_that_raises_for_one_row(tiny_engine, alone, monkeypatch) -> None:

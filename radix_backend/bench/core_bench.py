@@ -112,7 +112,7 @@ def measure_floor(engine: Engine, prefill_tokens: int = 1024, context: int = 256
     from ..model_executor.model_runner import ForwardInput
 
     def floor() -> dict[str, Any]:
-        runner, alloc = engine.runner, engine.scheduler.allocator
+        runner, alloc = engine.runner, engine.scheduler.kv.allocator
         assert alloc.num_free >= max(prefill_tokens, max(batch_sizes) * (context + steps)), "KV pool too small"
         result: dict[str, Any] = {}
         slots = alloc.alloc(prefill_tokens)

@@ -33,15 +33,15 @@ def needs_match_to_order(policy: str, num_waiting: int) -> bool:
 
 def order_waiting(waiting: Sequence[Req], policy: str) -> list[Req]:
     """Waiting requests in admission order. Except under fcfs, every request must be matched
-    (`last_node`, `cached_len` set). Stable: ties keep arrival order."""
+    (`kv.last_node`, `kv.cached_len` set). Stable: ties keep arrival order."""
     if not needs_match_to_order(policy, len(waiting)):
         return list(waiting)
     if policy == "lpm":
-        return sorted(waiting, key=lambda r: -r.cached_len)
+        return sorted(waiting, key=lambda r: -r.kv.cached_len)
     weight: dict[int, int] = {}  # dfs-weight: requests per deepest matched node
     for r in waiting:
-        weight[id(r.last_node)] = weight.get(id(r.last_node), 0) + 1
-    return sorted(waiting, key=lambda r: (-weight[id(r.last_node)], -r.cached_len))
+        weight[id(r.kv.last_node)] = weight.get(id(r.kv.last_node), 0) + 1
+    return sorted(waiting, key=lambda r: (-weight[id(r.kv.last_node)], -r.kv.cached_len))
 
 
 @dataclass
@@ -73,7 +73,7 @@ class PrefillAdder:
     _prefilling: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._prefilling = [r.fill_ids for r in self.running if r.kv_len < len(r.prompt_ids)]
+        self._prefilling = [r.fill_ids for r in self.running if r.kv.kv_len < len(r.prompt_ids)]
 
     @property
     def decode_reserve(self) -> int:
@@ -86,7 +86,7 @@ class PrefillAdder:
     def should_defer(self, req: Req) -> bool:
         """Would admitting `req` now recompute a prefix another request is computing this step?"""
         ids = req.fill_ids[:req.max_prefix_len]
-        return any(common_prefix_len(ids, other) - req.cached_len >= IN_BATCH_PREFIX_TOKENS
+        return any(common_prefix_len(ids, other) - req.kv.cached_len >= IN_BATCH_PREFIX_TOKENS
                    for other in self._prefilling)
 
     def admissible_len(self, req: Req, available_kv: int) -> int:

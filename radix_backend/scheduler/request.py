@@ -11,13 +11,16 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from ..mem_cache.kv_manager import RequestSlots
 from ..outputs import FinishReason, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
 from ..sampling_params import SamplingParams
 from ..stop_regex import StopRegexWatch
+from .detokenizer import Decode, IncrementalDetokenizer
+from .sampling import SamplerRow
 
 _DONE = object()
 
@@ -137,8 +140,8 @@ def _held_back(text: str, end: int, stop: str) -> int:
 
 @dataclass(eq=False)  # identity semantics: the scheduler keeps requests in lists
 class Req:
-    """A request as the scheduler sees it. Slots [0, cached_len) belong to the radix tree (locked
-    through `last_node`); slots [cached_len, kv_len) are private to this request."""
+    """A request as the scheduler sees it: what was asked, what came out so far, and two
+    sub-records, the KV it holds (`kv`) and its incremental text (`detok`)."""
 
     rid: str
     prompt_ids: list[int]
@@ -151,20 +154,14 @@ class Req:
     return_next_logits: bool = False  # next_token_logits(): keep the logits after the last token
     next_logits: torch.Tensor | None = None
     output_ids: list[int] = field(default_factory=list)
-    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    kv_len: int = 0
-    cached_len: int = 0
-    last_node: Any = None
+    kv: RequestSlots = field(default_factory=RequestSlots)
     admitted_once: bool = False
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
-    text: str = ""
-    detok_prefix_offset: int = 0  # output_ids[prefix:read] were detokenized last time, as context
-    detok_read_offset: int = 0  # output_ids before this are in `detok_text` for good
-    detok_text: str = ""  # text of output_ids[:read_offset]; `text` may add a pending tail
+    detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)
     stop_check_from: int = 0  # text before this was produced below min_new_tokens: stop regexes skip it
     stop_regexes: StopRegexWatch | None = None  # linear-time matchers, made once stops may count
     _final: RequestMeta | None = None  # the finished request's accounting, taken once (final_meta)
@@ -173,6 +170,10 @@ class Req:
     meta: RequestMeta = field(default_factory=RequestMeta)
     submit_time: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
 
     @property
     def fill_ids(self) -> list[int]:
@@ -185,7 +186,7 @@ class Req:
     @property
     def pending_tokens(self) -> int:
         """Tokens whose KV is not computed yet."""
-        return self.seq_len - self.kv_len
+        return self.seq_len - self.kv.kv_len
 
     @property
     def remaining_new_tokens(self) -> int:
@@ -196,13 +197,27 @@ class Req:
         """Longest prefix that may come from the cache: the last token (and any token whose
         logits we must return) has to be recomputed."""
         limit = self.seq_len - 1
-        if self.input_logprob_start is not None and self.kv_len < self.input_logprob_start:
+        if self.input_logprob_start is not None and self.kv.kv_len < self.input_logprob_start:
             limit = min(limit, max(0, self.input_logprob_start - 1))
         return max(0, limit)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def sampler_row(self) -> SamplerRow:
+        """What the sampler needs of this request for its next token."""
+        return SamplerRow(self.params, self.output_ids, self.prompt_ids, self.generator,
+                          suppressed=self.stop_token_ids if self.below_min_tokens else set(),
+                          constraint=self.constraint)
+
+    def record_input_logprobs(self, rows: torch.Tensor, start: int) -> None:
+        """Append the logprobs of the prompt tokens that `rows` (logits from position
+        max(start, input_logprob_start - 1) on) predict."""
+        first = max(start, self.input_logprob_start - 1)  # type: ignore[operator]
+        targets = self.prompt_ids[first + 1:first + 1 + rows.shape[0]]
+        lp = torch.log_softmax(rows.float(), dim=-1)
+        self.input_logprobs.extend(lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist())
 
     # -- finishing rules ----------------------------------------------------------------------
     def append_token(self, token: int) -> None:
@@ -231,40 +246,25 @@ class Req:
         elif len(self.output_ids) >= p.max_new_tokens or self.seq_len >= self.max_total_tokens:
             self.finish_reason = "length"
 
-    def detokenize(self, decode: Callable[[list[int]], str]) -> None:
-        """Bring `text` up to date with `output_ids` and apply stop strings (cut before the stop).
-
-        Incremental, as in vLLM and SGLang: decode the tokens read last time (as context) with and
-        without the new ones; the difference is the new text. Decoding with context keeps tokenizers
-        that drop a leading space right, and the work per token stays constant (re-decoding the
-        whole output each token is quadratic). A new tail ending in an incomplete UTF-8 character
-        stays pending (not committed) until later tokens complete it.
-        """
+    def detokenize(self, decode: Decode) -> None:
+        """Bring `text` up to date with `output_ids` and apply stop strings (cut before the stop)."""
         if isinstance(self.matched_stop, str):
             return  # stopped at a stop string or regex already; later tokens are not text
-        ids = self.output_ids
-        context = decode(ids[self.detok_prefix_offset:self.detok_read_offset])
-        full = decode(ids[self.detok_prefix_offset:])
-        new = full[len(context):]
-        searched = len(self.detok_text)
-        self.text = self.detok_text + new
-        if new and not new.endswith("\ufffd"):
-            self.detok_text = self.text
-            self.detok_prefix_offset, self.detok_read_offset = self.detok_read_offset, len(ids)
+        searched = self.detok.update(self.output_ids, decode)
         if self.below_min_tokens:
             self.stop_check_from = len(self.text)  # text so far never stops the request
             return
         for stop in self.params.stop:
             idx = self.text.find(stop, max(0, searched - len(stop) + 1))
             if idx != -1:
-                self.text = self.text[:idx + len(stop) if self.params.no_stop_trim else idx]
+                self.detok.text = self.text[:idx + len(stop) if self.params.no_stop_trim else idx]
                 if self.finish_reason is None or self.finish_reason == "length":
                     self.finish_reason, self.matched_stop = "stop", stop
                 return
         if self.params.stop_regex:  # over committed text only: a pending tail may still change
             if self.stop_regexes is None:
                 self.stop_regexes = StopRegexWatch(self.params.stop_regex, start=self.stop_check_from)
-            pattern = self.stop_regexes.first_match(self.detok_text)
+            pattern = self.stop_regexes.first_match(self.detok.committed)
             if pattern is not None and (self.finish_reason is None or self.finish_reason == "length"):
                 self.finish_reason, self.matched_stop = "stop", pattern
 

@@ -2,11 +2,15 @@
 
 Greedy rows take a plain argmax of the unmodified logits (bit-identical to HF greedy);
 sampled rows are transformed together, then drawn one by one with each request's generator.
+`sample_batch` adds logit bias, min-token suppression and grammar masks, and keeps a failing
+row (a grammar error, say) from failing the rest of the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +26,51 @@ class SamplerRow:
     output_ids: list[int]
     prompt_ids: list[int]
     generator: torch.Generator | None
+    suppressed: set[int] = field(default_factory=set)  # stop tokens not allowed yet (min_new_tokens)
+    constraint: Any = None  # a scheduler.constrained.TokenConstraint masking the row
+
+
+Picked = tuple[int, "TokenLogprob | None"]  # the token and, when asked for, its logprob entry
+logger = logging.getLogger(__name__)
+
+
+def sample_batch(raw: torch.Tensor, rows: list[SamplerRow]) -> list[Picked | BaseException]:
+    """One pick per row of `raw` (left unchanged). The rows are sampled together; if that raises,
+    once more row by row from the same logits and generator states, so only a row that fails
+    gets its exception, and the others get exactly the tokens the batched call would have given."""
+    states = {i: r.generator.get_state() for i, r in enumerate(rows) if r.generator is not None}
+    try:
+        return list(_sample_rows(raw, rows))
+    except Exception as exc:  # noqa: BLE001 - isolate the faulty row below
+        logger.warning("batched sampling failed (%s: %s); sampling its %d rows one by one",
+                       type(exc).__name__, exc, len(rows))
+    picked: list[Picked | BaseException] = []
+    for i, row in enumerate(rows):
+        if i in states:
+            row.generator.set_state(states[i])
+        try:
+            picked.extend(_sample_rows(raw[i:i + 1], [row]))
+        except Exception as row_exc:  # noqa: BLE001 - this row's fault only
+            picked.append(row_exc)
+    return picked
+
+
+def _sample_rows(raw: torch.Tensor, rows: list[SamplerRow]) -> list[Picked]:
+    short = {i: r.suppressed for i, r in enumerate(rows) if r.suppressed}
+    biased = {i: r.params.logit_bias for i, r in enumerate(rows) if r.params.logit_bias}
+    modifies = short or biased or any(r.constraint is not None or r.params.has_penalties for r in rows)
+    work = raw.clone() if modifies else raw
+    add_logit_bias(work, biased)
+    suppress_tokens(work, short)
+    if any(r.constraint is not None for r in rows):
+        from . import constrained  # llguidance, loaded only when a request has a grammar
+
+        constrained.mask_logits(work, [r.constraint for r in rows])
+    tokens = sample(work, rows)
+    lps: list[TokenLogprob | None] = [None] * len(rows)
+    if any(r.params.logprobs for r in rows):
+        lps = token_logprobs(raw, tokens, [r.params.top_logprobs for r in rows])
+    return list(zip(tokens, lps))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> None:
