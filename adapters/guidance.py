@@ -104,7 +104,7 @@ class RadixGuidance(Model):
     Pass `engine=` an Engine, or `model=` a checkpoint path (the process-shared engine is used).
     """
 
-    def __init__(self, engine: Any = None, model: str | None = None, *, echo: bool = False,
+    def __init__(self, engine: LogitsEngine | None = None, model: str | None = None, *, echo: bool = False,
                  chat_template: Any = None, sampling_params: GuidanceSamplingParams | None = None,
                  enable_backtrack: bool = True, enable_ff_tokens: bool = True) -> None:
         radix_engine = resolve_engine(engine, model)
@@ -115,7 +115,7 @@ class RadixGuidance(Model):
                          sampling_params=sampling_params or GuidanceSamplingParams(), echo=echo)
 
     @property
-    def radix_engine(self) -> Any:
+    def radix_engine(self) -> LogitsEngine:
         """The radix engine underneath (for cache_stats and sharing with other adapters).
         (`lm.engine` stays guidance's own: the RadixGuidanceEngine.)"""
         return self._interpreter.engine.engine

@@ -73,6 +73,7 @@ from langchain_core.runnables.config import get_config_list  # noqa: E402
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field, model_validator  # noqa: E402
 
+from radix_backend.engine_like import EngineLike  # noqa: E402
 from radix_backend.errors import InvalidRequestError  # noqa: E402
 from radix_backend.outputs import GenerateOutput  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
@@ -87,8 +88,8 @@ class _EngineFields(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    engine: Any = Field(default=None, exclude=True)
-    """An existing `radix_backend.Engine`; when None, the process-shared engine of `model` is used."""
+    engine: EngineLike | None = Field(default=None, exclude=True)
+    """An existing `radix_backend.Engine` (or Router); when None, the process-shared engine of `model` is used."""
     model: str | None = None
     """Checkpoint path for `radix_backend.get_engine(model)`; None means the embedded SmolLM2."""
     max_tokens: int = 256
@@ -130,7 +131,7 @@ class _EngineFields(BaseModel):
     @property
     def model_id(self) -> str:
         """The served model's name (the embedded one's HF id when `model` is None), for tracing."""
-        return self.model or getattr(self.engine, "model_id", None) or "radix-backend"
+        return self.model or self.engine.model_id
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         """LangSmith's standard tracing params: provider, model name, temperature, max tokens, stop."""
@@ -148,7 +149,7 @@ class _EngineFields(BaseModel):
 
     def _check_model(self, requested: str | None) -> None:
         """A per-call `model=` must name the loaded model: one engine serves one model."""
-        names = {self.model, self.model_id, getattr(self.engine, "model_name", None)} - {None}
+        names = {self.model, self.model_id, self.engine.model_id} - {None}
         if requested is not None and requested not in names:
             raise InvalidRequestError(f"model {requested!r} is not loaded here; this engine serves {self.model_id!r} "
                                       "(create another RadixChatModel with model=... for a different checkpoint)")

@@ -37,6 +37,7 @@ from llama_index.core.llms.llm import ToolSelection  # noqa: E402
 from llama_index.core.prompts import BasePromptTemplate  # noqa: E402
 from llama_index.core.types import Model  # noqa: E402
 
+from radix_backend.engine_like import EngineLike  # noqa: E402
 from radix_backend.errors import InvalidRequestError  # noqa: E402
 from radix_backend.outputs import GenerateOutput, RequestMeta  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
@@ -91,9 +92,9 @@ class RadixLlamaIndexLLM(FunctionCallingLLM):
     temperature: float = Field(default=0.0, description="0 = greedy.")
     context_window: int | None = Field(default=None, description="Defaults to the engine's context length.")
     sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other SamplingParams fields.")
-    _engine: Any = PrivateAttr(default=None)
+    _engine: EngineLike = PrivateAttr(default=None)
 
-    def __init__(self, engine: Any = None, **kwargs: Any) -> None:
+    def __init__(self, engine: EngineLike | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._engine = resolve_engine(engine, self.model)
 
@@ -102,12 +103,12 @@ class RadixLlamaIndexLLM(FunctionCallingLLM):
         return "RadixLlamaIndexLLM"
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> EngineLike:
         return self._engine
 
     @property
     def metadata(self) -> LLMMetadata:
-        window = self.context_window or int(getattr(self._engine, "context_length", 0) or 2048)
+        window = self.context_window or self._engine.context_length
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens, is_chat_model=True,
                            is_function_calling_model=True, model_name=self.model or "radix-backend")
 

@@ -86,7 +86,7 @@ def run_demo(model: str | None = None, device: str = "auto", kv_cache_tokens: in
     t = time.perf_counter()
     with Engine(model, device=device, kv_cache_tokens=kv_cache_tokens or 32768,
                 disk_cache_dir=None if disk_cache_dir is None else str(disk_cache_dir)) as engine:
-        print(f"loaded {engine.model_name} on {engine.runner.device} in {time.perf_counter() - t:.1f} s "
+        print(f"loaded {engine.model_id} on {engine.runner.device} in {time.perf_counter() - t:.1f} s "
               f"({engine.cache_stats().slots_total} KV slots)")
         print(f"disk KV tier: {disk_cache_dir} (run the demo again to see prefixes loaded instead of computed)\n"
               if disk_cache_dir is not None else "disk KV tier: off\n")

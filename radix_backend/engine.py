@@ -35,13 +35,14 @@ Message = dict[str, Any]  # {"role": "system"|"user"|"assistant", "content": str
 class Engine:
     """One model, one radix cache, one scheduler thread; share it across the whole process."""
 
+    model_id: str  # the model as the user named it (EngineLike.model_id)
+    tokenizer: Any  # the HF tokenizer
+
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides: Any) -> None:
         """`model`: None (the embedded SmolLM2-135M), an HF checkpoint dir or a .gguf file.
         `config` and/or keyword `overrides` set the EngineConfig knobs (device, kv_cache_tokens, ...)."""
         self.config = (config or EngineConfig()).replace(**overrides)
         self.checkpoint = resolve_checkpoint(model)
-        self.model_path = str(self.checkpoint.path)
-        self.model_name = model or "SmolLM2-135M-Instruct"
         self.model_id = model if model is not None else EMBEDDED_MODEL_ID  # as the user named it; no cache paths
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.runner = ModelRunner(self.checkpoint, self.config)
@@ -68,7 +69,7 @@ class Engine:
     def _generation_config(self):
         try:
             from transformers import GenerationConfig
-            return GenerationConfig.from_pretrained(self.model_path, local_files_only=True)
+            return GenerationConfig.from_pretrained(self.checkpoint.path, local_files_only=True)
         except Exception:
             return None
 
@@ -84,7 +85,7 @@ class Engine:
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         if not self.tokenizer.chat_template:
-            raise InvalidRequestError(f"model {self.model_name} has no chat template; pass a plain prompt instead")
+            raise InvalidRequestError(f"model {self.model_id} has no chat template; pass a plain prompt instead")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   tools=tools)
 
@@ -95,6 +96,14 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.scheduler.kv.total
+
+    @property
+    def dp_size(self) -> int:
+        return 1
 
     @property
     def constraint_compiler(self):
@@ -146,7 +155,7 @@ class Engine:
                 f"this model's context window is {self.context_length} tokens, but {len(prompt_ids)} prompt tokens + "
                 f"max_new_tokens {params.max_new_tokens} = {len(prompt_ids) + params.max_new_tokens}; lower "
                 f"max_new_tokens to at most {self.context_length - len(prompt_ids)}")
-        total = self.scheduler.kv.total
+        total = self.kv_capacity
         needed = len(prompt_ids) + params.max_new_tokens
         if needed > total:
             raise KVCacheTooSmallError(

@@ -11,16 +11,37 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from .outputs import ChoiceScore, GenerateOutput, StreamChunk
+from .outputs import CacheStats, ChoiceScore, GenerateOutput, StreamChunk
 from .sampling_params import SamplingParams
 
 
 @runtime_checkable
 class EngineLike(Protocol):
-    """Text in, text out: generation, streaming, scoring and the shared cache's controls."""
+    """Text in, text out: generation, streaming, scoring, the shared cache's controls, and what a
+    frontend shows of the model it serves."""
+
+    @property
+    def model_id(self) -> str:
+        """The model as the user named it (an HF id, a checkpoint dir or a .gguf file; the embedded
+        model's HF id). Frontends show it through `paths.public_model_name`, never a host path."""
 
     @property
     def context_length(self) -> int: ...
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV slots one request can have at most (the pool of one replica)."""
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas behind this engine (1 for an `Engine`)."""
+
+    @property
+    def is_shutdown(self) -> bool: ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The HF tokenizer (its chat template and special tokens are shown to clients)."""
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
@@ -48,7 +69,7 @@ class EngineLike(Protocol):
     async def ascore(self, prefix: str | list[int], continuations: list[str] | list[list[int]], *,
                      unconditional: bool = False) -> list[ChoiceScore]: ...
 
-    def cache_stats(self) -> Any: ...
+    def cache_stats(self) -> CacheStats: ...
 
     def flush_cache(self) -> bool: ...
 
@@ -62,6 +83,9 @@ class LogitsEngine(Protocol):
     @property
     def context_length(self) -> int: ...
 
+    @property
+    def tokenizer(self) -> Any: ...
+
     def next_token_logits(self, input_ids: list[int]) -> Any: ...
 
-    def cache_stats(self) -> Any: ...
+    def cache_stats(self) -> CacheStats: ...

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from guidance import assistant, gen, select, system, user  # noqa: E402
 from guidance import json as gen_json  # noqa: E402
 
-from radix_backend.adapters._testing import TransformersLogitsEngine  # noqa: E402
+from fakes import TransformersLogitsEngine  # noqa: E402
 from radix_backend.bench.baselines import guidance_transformers_baseline  # noqa: E402
 from radix_backend.adapters.guidance import RadixGuidance, RadixGuidanceEngine  # noqa: E402
 from radix_backend.errors import InvalidRequestError, MissingDependencyError  # noqa: E402

@@ -19,7 +19,7 @@ from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 from typing_extensions import TypedDict  # noqa: E402
 
-from radix_backend.adapters._testing import ScriptedEngine  # noqa: E402
+from fakes import ScriptedEngine  # noqa: E402
 from radix_backend.adapters.langchain import RadixChatModel, RadixLLM  # noqa: E402
 from radix_backend.errors import InvalidRequestError, MissingDependencyError  # noqa: E402
 

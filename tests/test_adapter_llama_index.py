@@ -16,7 +16,7 @@ from llama_index.core import Document, PromptTemplate, VectorStoreIndex  # noqa:
 from llama_index.core.llms import ChatMessage  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
-from radix_backend.adapters._testing import ScriptedEngine  # noqa: E402
+from fakes import ScriptedEngine  # noqa: E402
 from radix_backend.adapters.llama_index import RadixLlamaIndexLLM  # noqa: E402
 from radix_backend.errors import InvalidRequestError, MissingDependencyError  # noqa: E402
 

@@ -3,38 +3,33 @@ backend, the adapters and the server are typed against, with the same parameter 
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from radix_backend import Engine
 from radix_backend.engine_like import EngineLike, LogitsEngine
 
-
-def _members(protocol: type) -> list[str]:
-    return [name for name in vars(protocol) if not name.startswith("_")]
+from fakes import CharEngine, ScriptedEngine, TransformersLogitsEngine, assert_implements
 
 
 @pytest.mark.parametrize("protocol", [EngineLike, LogitsEngine])
 def test_engine_implements_the_protocols_with_their_parameters(protocol):
-    _check(Engine, protocol)
+    assert_implements(Engine, protocol)
 
 
 def test_router_implements_engine_like():
     from radix_backend.server.router import Router
 
-    _check(Router, EngineLike)
+    assert_implements(Router, EngineLike)
 
 
-def _check(cls: type, protocol: type) -> None:
-    for name in _members(protocol):
-        assert hasattr(cls, name), f"{cls.__name__} lacks {protocol.__name__}.{name}"
-        want = getattr(protocol, name)
-        if isinstance(want, property):
-            continue
-        have_params = list(inspect.signature(getattr(cls, name)).parameters)
-        want_params = list(inspect.signature(want).parameters)
-        assert have_params[:len(want_params)] == want_params, f"{cls.__name__}.{name}{have_params} vs {want_params}"
+@pytest.mark.parametrize("fake", [ScriptedEngine, CharEngine])
+def test_the_test_doubles_implement_the_seam(fake):
+    assert_implements(fake, EngineLike)
+    assert isinstance(fake(), EngineLike)
+
+
+def test_the_logits_double_implements_its_seam():
+    assert_implements(TransformersLogitsEngine, LogitsEngine)
 
 
 def test_a_live_engine_is_an_engine_like(tiny_llama_dir):

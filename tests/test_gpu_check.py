@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from radix_backend.bench import gpu_check as gc
+
+from fakes import GpuCheckEngine
 
 
 def test_help_runs_and_lists_sections() -> None:
@@ -96,63 +97,9 @@ def test_workload_prompts_share_prefixes() -> None:
     assert len(set(branches)) == 5 and all(b.startswith("BASE\n") for b in branches)
 
 
-@dataclass
-class _Out:
-    text: str
-    token_ids: list[int]
-
-
-@dataclass
-class _Stats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass
-class FakeEngine:
-    """Deterministic stand-in: counts a prompt's characters as its tokens, half of them cached.
-
-    `chat=False` mimics an engine without encode()/messages, which forces gpu_check's built-in
-    prompts; `chat=True` takes the project's workloads (bench.workloads via core_bench).
-    """
-
-    backend: str
-    chat: bool = False
-    prompts: list[str] = field(default_factory=list)
-    stats: _Stats = field(default_factory=_Stats)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def encode(self, text):
-        if not self.chat:
-            raise AttributeError("no tokenizer")
-        return text.split()
-
-    def generate(self, prompts=None, params=None, *, messages=None):
-        if messages is not None:
-            if not self.chat:
-                raise TypeError("no chat support")
-            prompts = ["\n".join(m["content"] for m in conv) for conv in messages]
-        self.prompts += prompts
-        self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        self.stats.cached_tokens += sum(len(p) // 2 for p in prompts)
-        offset = 0 if self.backend == "torch" else 1
-        return [_Out(text=p[-3:], token_ids=[len(p) + offset] * params.max_new_tokens) for p in prompts]
-
-    def flush_cache(self):
-        return True
-
-    def cache_stats(self):
-        return _Stats(self.stats.prompt_tokens, self.stats.cached_tokens)
-
-
 def _run_fake_e2e(chat: bool) -> gc.Report:
     def factory(device, attention_backend, kv_cache_tokens):
-        return FakeEngine(attention_backend, chat=chat)
+        return GpuCheckEngine(attention_backend, chat=chat)
     report = gc.Report()
     gc.bench_e2e(report, "cpu", ["torch", "triton"], quick=True, engine_factory=factory)
     return report

@@ -16,6 +16,8 @@ from radix_backend.utils import common_prefix_len
 from radix_backend.server.router import ApproxRadixTree, Router
 from radix_backend.sampling_params import SamplingParams
 
+from fakes import CharEngine
+
 # ---------------------------------------------------------------------------- approximate tree
 
 
@@ -48,18 +50,8 @@ def test_tree_evicts_least_recently_used_leaves() -> None:
 # ---------------------------------------------------------------------------- routing policy
 
 
-class _Stub:
-    """Just enough of the Engine API for routing decisions (no generation)."""
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) for c in text]
-
-    def cache_stats(self):
-        raise RuntimeError("no stats")  # the router then keeps unbounded trees
-
-
 def test_cache_aware_follows_prefix_and_rebalances() -> None:
-    router = Router([_Stub(), _Stub()], balance_abs_threshold=2)
+    router = Router([CharEngine(), CharEngine()], balance_abs_threshold=2)
     a = router.choose(router.routing_key("alpha: hello"))
     b = router.choose(router.routing_key("beta: hello"))
     assert a != b  # no useful match (< half the prompt): the emptier replica takes the new prefix
@@ -73,10 +65,10 @@ def test_cache_aware_follows_prefix_and_rebalances() -> None:
 
 
 def test_round_robin_and_bad_arguments() -> None:
-    router = Router([_Stub(), _Stub(), _Stub()], policy="round_robin")
+    router = Router([CharEngine(), CharEngine(), CharEngine()], policy="round_robin")
     assert [router.choose([1, 2, 3]) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
     with pytest.raises(InvalidRequestError, match="policy"):
-        Router([_Stub()], policy="random")
+        Router([CharEngine()], policy="random")
     with pytest.raises(InvalidRequestError):
         Router([])
 

@@ -1,8 +1,7 @@
-"""Server protocol tests against a scripted fake engine: fast, deterministic, no model.
+"""Server protocol tests against `fakes.CharEngine`: fast, deterministic, no model.
 
-The fake follows the Engine contract (agenerate / astream / score / cache_stats) and holds "KV
-slots" while a request runs, so disconnect-aborts are observable. The same behaviours are
-checked on the real engine in test_server_e2e.py.
+The fake follows the engine seam and holds "KV slots" while a request runs, so disconnect-aborts
+are observable. The same behaviours are checked on the real engine in test_server_e2e.py.
 """
 
 from __future__ import annotations
@@ -16,138 +15,18 @@ import httpx
 import openai
 import pytest
 
-from radix_backend.engine import CacheStats
-from radix_backend.errors import ConstraintError, PromptTooLongError
-from radix_backend.utils import common_prefix_len
-from radix_backend.outputs import ChoiceScore, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
-from radix_backend.sampling_params import SamplingParams
 from radix_backend.server import ServerThread, create_app
 
-
-class FakeEngine:
-    """One char = one token; the answer is a deterministic function of the prompt."""
-
-    context_length = 400
-    model_path = "fake/model"
-
-    def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
-        self.held: dict[int, int] = {}  # request -> slots held
-        self.seen: list[list[int]] = []
-        self.aborted = 0
-        self.finished = 0
-        self._next = 0
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: Any = None) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    @staticmethod
-    def answer_for(text: str) -> str:
-        return f"[{text[-6:]}] lorem ipsum dolor sit amet " * 4
-
-    def _prepare(self, prompt: Any, params: SamplingParams | None, input_ids: Any, messages: Any) -> tuple[list[int], str, SamplingParams]:
-        params = params or SamplingParams()
-        params.validate()
-        if messages is not None:
-            prompt = self.apply_chat_template(messages)
-        ids = list(input_ids) if input_ids is not None else self.encode(prompt)
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise PromptTooLongError(f"{len(ids)} prompt tokens + max_new_tokens exceed {self.context_length}")
-        if params.json_schema is not None:
-            schema = params.json_schema
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise ConstraintError(f"json_schema is not valid JSON: {exc}") from exc
-            if not isinstance(schema, dict) or schema.get("type") not in ("object", None):
-                raise ConstraintError("json_schema: unsupported schema")
-            answer = '{"ok": true}'
-        else:
-            answer = self.answer_for(self.decode(ids))
-        return ids, answer, params
-
-    async def astream(self, prompt: Any = None, params: Any = None, *, input_ids: Any = None, messages: Any = None):
-        ids, answer, params = self._prepare(prompt, params, input_ids, messages)
-        rid = self._next
-        self._next += 1
-        cached = max((common_prefix_len(ids, s) for s in self.seen), default=0)
-        self.seen.append(ids)
-        self.prompt_tokens += len(ids)
-        self.cached_tokens += cached
-        self.held[rid] = len(ids)
-        finished = False
-        try:
-            window = answer[: params.max_new_tokens]
-            reason, matched, text = ("stop" if len(answer) <= params.max_new_tokens else "length"), None, window
-            hits = [(window.find(s), s) for s in params.stop if s in window]
-            if hits:
-                pos, matched = min(hits)
-                reason, text = "stop", window[:pos]
-            n_tokens = len(text) + (len(matched) if matched else 0)
-            for ch in text:
-                await asyncio.sleep(self.delay)
-                self.held[rid] += 1
-                yield StreamChunk(text=ch, token_ids=[ord(ch)])
-            finished = True
-            meta = RequestMeta(prompt_tokens=len(ids), cached_tokens=cached, completion_tokens=n_tokens,
-                               matched_stop=matched)
-            yield StreamChunk(text="", token_ids=[], finish_reason=reason, meta=meta)
-        finally:
-            del self.held[rid]
-            if finished:
-                self.finished += 1
-            else:
-                self.aborted += 1
-
-    async def agenerate(self, prompt: Any = None, params: Any = None, *, input_ids: Any = None, messages: Any = None):
-        if isinstance(prompt, list):
-            return [await self.agenerate(p, params) for p in prompt]
-        text, ids, last = "", [], None
-        async for chunk in self.astream(prompt, params, input_ids=input_ids, messages=messages):
-            text += chunk.text
-            ids += chunk.token_ids
-            last = chunk
-        assert last is not None and last.meta is not None
-        lps = None
-        if params is not None and params.logprobs:
-            lps = [TokenLogprob(t, -0.25, [(t, -0.25), (ord("?"), -3.0)][: params.top_logprobs]) for t in ids]
-        return GenerateOutput(text=text, token_ids=ids, finish_reason=last.finish_reason, meta=last.meta, logprobs=lps)
-
-    def score(self, prefix: Any, continuations: Any, *, unconditional: bool = False) -> list[ChoiceScore]:
-        return [ChoiceScore(text=self.decode(c), token_ids=list(c), token_logprobs=[-0.5] * len(c)) for c in continuations]
-
-    async def ascore(self, prefix: Any, continuations: Any, *, unconditional: bool = False) -> list[ChoiceScore]:
-        return self.score(prefix, continuations, unconditional=unconditional)
-
-    def cache_stats(self) -> CacheStats:
-        used = sum(self.held.values())
-        return CacheStats(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                          hit_rate=self.cached_tokens / max(1, self.prompt_tokens), nodes=len(self.seen), evictions=0,
-                          slots_total=4096, slots_used=used, slots_free=4096 - used, cached_slots=0)
-
-    def flush_cache(self) -> bool:
-        if self.held:
-            return False
-        self.seen.clear()
-        return True
+from fakes import CharEngine
 
 
 @pytest.fixture(scope="module")
-def fake() -> FakeEngine:
-    return FakeEngine(delay=0.002)
+def fake() -> CharEngine:
+    return CharEngine(delay=0.002)
 
 
 @pytest.fixture(scope="module")
-def server(fake: FakeEngine):
+def server(fake: CharEngine):
     with ServerThread(create_app(fake, served_model_name="fake")) as srv:
         yield srv
 
@@ -157,7 +36,7 @@ def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
-def _wait_idle(fake: FakeEngine, timeout: float = 5.0) -> None:
+def _wait_idle(fake: CharEngine, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while fake.held and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -176,7 +55,7 @@ def test_models_and_info(server: ServerThread, client: openai.OpenAI) -> None:
 def test_completion_text_usage_and_cached_tokens(client: openai.OpenAI) -> None:
     prompt = "The capital of France is"
     r1 = client.completions.create(model="fake", prompt=prompt, max_tokens=10, temperature=0)
-    assert r1.choices[0].text == FakeEngine.answer_for(prompt)[:10]
+    assert r1.choices[0].text == CharEngine.answer_for(prompt)[:10]
     assert r1.choices[0].finish_reason == "length"
     assert r1.usage.prompt_tokens == len(prompt) and r1.usage.completion_tokens == 10
     r2 = client.completions.create(model="fake", prompt=prompt, max_tokens=4, temperature=0)
@@ -196,13 +75,13 @@ def test_completion_batch_n_stop_logprobs(client: openai.OpenAI) -> None:
 
 def test_completion_token_id_prompt_and_echo(client: openai.OpenAI) -> None:
     r = client.completions.create(model="fake", prompt=[ord("h"), ord("i")], max_tokens=3, echo=True)
-    assert r.choices[0].text == "hi" + FakeEngine.answer_for("hi")[:3]
+    assert r.choices[0].text == "hi" + CharEngine.answer_for("hi")[:3]
 
 
 def test_chat_completion_and_stream_match(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "Hello there"}]
     full = client.chat.completions.create(model="fake", messages=msgs, max_tokens=12, temperature=0)
-    expected = FakeEngine.answer_for(FakeEngine().apply_chat_template(msgs))[:12]
+    expected = CharEngine.answer_for(CharEngine().apply_chat_template(msgs))[:12]
     assert full.choices[0].message.content == expected and full.choices[0].message.role == "assistant"
     chunks = list(client.chat.completions.create(model="fake", messages=msgs, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
@@ -235,7 +114,7 @@ def test_completion_stream_n2(client: openai.OpenAI) -> None:
     for chunk in client.completions.create(model="fake", prompt="zz", max_tokens=6, n=2, stream=True):
         for c in chunk.choices:
             texts[c.index] += c.text
-    assert texts[0] == texts[1] == FakeEngine.answer_for("zz")[:6]
+    assert texts[0] == texts[1] == CharEngine.answer_for("zz")[:6]
 
 
 def test_async_client_32_concurrent(server: ServerThread) -> None:
@@ -247,7 +126,7 @@ def test_async_client_32_concurrent(server: ServerThread) -> None:
         return [r.choices[0].text for r in rs]
 
     texts = asyncio.run(main())
-    assert texts == [FakeEngine.answer_for(f"q{i:02d}")[:8] for i in range(32)]
+    assert texts == [CharEngine.answer_for(f"q{i:02d}")[:8] for i in range(32)]
 
 
 # ---------------------------------------------------------------------------- errors
@@ -287,7 +166,7 @@ def test_malformed_json_and_bad_schema_then_still_serving(server: ServerThread, 
 # ---------------------------------------------------------------------------- disconnect
 
 
-def test_disconnect_mid_stream_aborts(server: ServerThread, fake: FakeEngine) -> None:
+def test_disconnect_mid_stream_aborts(server: ServerThread, fake: CharEngine) -> None:
     _wait_idle(fake)
     aborted = fake.aborted
     slow = {"model": "fake", "prompt": "slow", "max_tokens": 100, "stream": True}
@@ -302,7 +181,7 @@ def test_disconnect_mid_stream_aborts(server: ServerThread, fake: FakeEngine) ->
     assert fake.aborted == aborted + 1
 
 
-def test_disconnect_non_streaming_aborts(server: ServerThread, fake: FakeEngine) -> None:
+def test_disconnect_non_streaming_aborts(server: ServerThread, fake: CharEngine) -> None:
     _wait_idle(fake)
     aborted = fake.aborted
     with pytest.raises(httpx.ReadTimeout):
@@ -318,7 +197,7 @@ def test_disconnect_non_streaming_aborts(server: ServerThread, fake: FakeEngine)
 def test_generate_single_batch_ids(server: ServerThread) -> None:
     r = httpx.post(server.url + "/generate", json={"text": "abc", "sampling_params": {"max_new_tokens": 5,
                                                                                        "temperature": 0}}).json()
-    assert r["text"] == FakeEngine.answer_for("abc")[:5]
+    assert r["text"] == CharEngine.answer_for("abc")[:5]
     meta = r["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 5 and "cached_tokens" in meta and meta["id"]
@@ -357,7 +236,7 @@ def test_generate_stream_cumulative(server: ServerThread) -> None:
     assert events[-1] == "[DONE]"
     data = [json.loads(e) for e in events[:-1]]
     # SGLang's RuntimeEndpoint reads data["text"][pos:]: text is cumulative.
-    assert data[-1]["text"] == FakeEngine.answer_for("xy")[:4]
+    assert data[-1]["text"] == CharEngine.answer_for("xy")[:4]
     assert all(data[i + 1]["text"].startswith(data[i]["text"]) for i in range(len(data) - 1))
     assert data[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -373,7 +252,7 @@ def test_generate_errors(server: ServerThread) -> None:
 # ---------------------------------------------------------------------------- metrics / cache
 
 
-def test_metrics_and_flush(server: ServerThread, fake: FakeEngine, client: openai.OpenAI) -> None:
+def test_metrics_and_flush(server: ServerThread, fake: CharEngine, client: openai.OpenAI) -> None:
     client.completions.create(model="fake", prompt="metrics", max_tokens=3)
     text = httpx.get(server.url + "/metrics").text
     for name in ("radix_backend_requests_total", "radix_backend_generation_tokens_total",

@@ -12,7 +12,7 @@ from radix_backend.bench import server_bench as sb
 from radix_backend.bench import workloads
 from radix_backend.server import ServerThread, create_app
 
-from test_server import FakeEngine
+from fakes import CharEngine
 
 
 def test_iter_json_array_reads_incrementally() -> None:
@@ -47,7 +47,7 @@ def test_percentiles() -> None:
 def test_run_against_a_server() -> None:
     convs = [[{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": "hi"},
               {"role": "user", "content": "more"}] for i in range(6)]
-    with ServerThread(create_app(FakeEngine(), served_model_name="fake")) as srv:
+    with ServerThread(create_app(CharEngine(), served_model_name="fake")) as srv:
         out = sb.run(base_url=srv.url, conversations=convs, num_clients=3, max_new_tokens=5)
     assert out["requests"] == 12 and out["errors"] == 0
     assert out["completion_tokens"] == 12 * 5

@@ -139,11 +139,11 @@ def test_sglang_generate_shares_the_caps(open_url: str) -> None:
 
 
 def test_no_host_path_in_any_response(open_url: str, tiny_engine) -> None:
-    host_dir = str(tiny_engine.model_path).rsplit("/", 1)[0]
+    host_dir = str(tiny_engine.model_id).rsplit("/", 1)[0]
     for path in ("/v1/models", "/get_server_info", "/get_model_info", "/server_info", "/model_info"):
         assert host_dir not in httpx.get(open_url + path).text, path
     # a client may still name the model by the path the server was started with
-    r = httpx.post(open_url + "/v1/completions", json={"model": str(tiny_engine.model_path), "prompt": "Hi",
+    r = httpx.post(open_url + "/v1/completions", json={"model": str(tiny_engine.model_id), "prompt": "Hi",
                                                         "max_tokens": 2})
     assert r.status_code == 200, r.text
 

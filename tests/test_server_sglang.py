@@ -47,12 +47,16 @@ def test_info_routes_sglang_calls(url, engine):
 def test_model_path_is_the_name_the_model_was_given_not_a_cache_path(url):
     from radix_backend.server.state import ServerState
 
-    class Embedded:
-        model_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
-        model_path = "/root/.cache/radix-backend/gguf/abc123"  # the dequantized weights
-        model_name = "SmolLM2-135M-Instruct"
+    from fakes import CharEngine
 
-    assert ServerState(Embedded(), None, None).model_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    embedded = CharEngine()
+    embedded.model_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    state = ServerState(embedded, None, None)
+    assert state.model_path == state.model_name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    embedded.model_id = "/home/someone/models/tiny-llama"  # a checkpoint dir: shown by its own name only
+    state = ServerState(embedded, None, None)
+    assert state.model_path == state.model_name == "tiny-llama"
+    assert state.check_model("/home/someone/models/tiny-llama") == "tiny-llama"  # vLLM clients send the path
 
 
 def test_every_key_sglangs_client_sends_is_accepted(url):

@@ -46,8 +46,7 @@ class RadixEngineBackend(BaseBackend):
 
     def get_model_name(self) -> str:
         """As the server's /get_model_info names it: the model as given, a local path by its own name."""
-        engine = self.engine
-        return public_model_name(getattr(engine, "model_id", None) or engine.model_path)
+        return public_model_name(self.engine.model_id)
 
     def generate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
         outs = self.engine.generate(list(prompts), list(params))

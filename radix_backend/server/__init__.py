@@ -8,8 +8,8 @@
 - `router`: data-parallel engine replicas behind a cache-aware router
 """
 
-from .app import (DEFAULT_MODEL_PATH, ClientDisconnected, ModelNotFoundError, ServerLimits, ServerThread, add_serve_args,
+from .app import (ClientDisconnected, ModelNotFoundError, ServerLimits, ServerThread, add_serve_args,
                   build_engine, create_app, error_response, main, run_serve, serve)
 
-__all__ = ["DEFAULT_MODEL_PATH", "ClientDisconnected", "ModelNotFoundError", "ServerLimits", "ServerThread", "add_serve_args",
+__all__ = ["ClientDisconnected", "ModelNotFoundError", "ServerLimits", "ServerThread", "add_serve_args",
            "build_engine", "create_app", "error_response", "main", "run_serve", "serve"]

@@ -37,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - the server extra installs them
     raise MissingDependencyError.for_extra("fastapi and uvicorn", "server") from exc
 
 from .http_errors import ClientDisconnected, error_json, error_response, ModelNotFoundError
-from .state import DEFAULT_MODEL_PATH, ServerState
+from .state import ServerState
 from .guard import API_KEY_ENV, AccessGuard, ServerLimits, is_loopback, resolve_api_key
 from .metrics import ServerMetrics
 from .native_api import add_native_routes
@@ -46,7 +46,7 @@ from .protocol import ErrorResponse, ModelCard, ModelList
 from .launcher import GATEWAY_POLICIES
 from .router import POLICIES as ROUTER_POLICIES
 
-__all__ = ["DEFAULT_MODEL_PATH", "ClientDisconnected", "ModelNotFoundError", "ServerThread", "add_serve_args",
+__all__ = ["ClientDisconnected", "ModelNotFoundError", "ServerThread", "add_serve_args",
            "ServerLimits", "build_engine", "create_app", "error_response", "main", "run_serve", "serve"]
 
 
@@ -131,7 +131,7 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if getattr(engine, "is_shutdown", False):
+        if engine.is_shutdown:
             return error_json(503, "engine is shut down", err_type="service_unavailable")
         return JSONResponse({"status": "ok"})
 
@@ -143,7 +143,7 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
     @app.get("/health_generate")
     async def health_generate() -> JSONResponse:
         """SGLang's deep health check: one real one-token generation through the scheduler."""
-        if getattr(engine, "is_shutdown", False):
+        if engine.is_shutdown:
             return error_json(503, "engine is shut down", err_type="service_unavailable")
         await engine.agenerate(input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0))
         return JSONResponse({"status": "ok"})
@@ -160,7 +160,7 @@ def create_app(engine: EngineLike, *, served_model_name: str | None = None, mode
     async def server_info() -> dict[str, Any]:
         stats = engine.cache_stats()
         return {"model_path": state.model_path, "served_model_name": state.model_name,
-                "context_length": engine.context_length, "dp_size": len(getattr(engine, "replicas", [engine])),
+                "context_length": engine.context_length, "dp_size": engine.dp_size,
                 "max_total_tokens": stats.slots_total,
                 "cache_stats": {k: v for k, v in vars(stats).items()}, **state.metrics.snapshot()}
 

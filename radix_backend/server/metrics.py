@@ -153,15 +153,13 @@ class _LiveCollector:
             "kv_slots_used": ("KV slots held by requests or the radix tree", stats.slots_used),
             "kv_slots_cached": ("KV slots owned by the radix tree", stats.cached_slots),
             "kv_usage": ("Fraction of KV slots in use", stats.slots_used / total),
-            "cache_disk_hit_tokens": ("Prompt tokens whose KV was loaded from the disk tier",
-                                      getattr(stats, "disk_hit_tokens", 0)),
-            "cache_disk_bytes_read": ("Bytes read from the disk KV tier", getattr(stats, "disk_bytes_read", 0)),
-            "cache_disk_bytes_written": ("Bytes written to the disk KV tier", getattr(stats, "disk_bytes_written", 0)),
-            "cache_disk_load_seconds": ("Time spent loading KV from the disk tier", getattr(stats, "disk_load_s", 0.0)),
+            "cache_disk_hit_tokens": ("Prompt tokens whose KV was loaded from the disk tier", stats.disk_hit_tokens),
+            "cache_disk_bytes_read": ("Bytes read from the disk KV tier", stats.disk_bytes_read),
+            "cache_disk_bytes_written": ("Bytes written to the disk KV tier", stats.disk_bytes_written),
+            "cache_disk_load_seconds": ("Time spent loading KV from the disk tier", stats.disk_load_s),
+            # the scheduler's own view (the server's view is num_requests_*)
+            "queue_length": ("Requests waiting in the scheduler queue", stats.waiting_requests),
+            "running_requests": ("Requests in the running batch", stats.running_requests),
         }
-        running = getattr(stats, "running_requests", None)
-        if running is not None:  # the scheduler's own view (the server's view is num_requests_*)
-            gauges["queue_length"] = ("Requests waiting in the scheduler queue", stats.waiting_requests)
-            gauges["running_requests"] = ("Requests in the running batch", running)
         for key, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{key}", doc, value=float(value))

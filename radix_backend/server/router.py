@@ -30,7 +30,7 @@ from typing import Any
 
 from ..engine_like import EngineLike
 from ..errors import InvalidRequestError
-from ..outputs import ChoiceScore, GenerateOutput, StreamChunk
+from ..outputs import CacheStats, ChoiceScore, GenerateOutput, StreamChunk
 from ..utils import common_prefix_len
 
 POLICIES = ("cache_aware", "round_robin", "shortest_queue")
@@ -156,7 +156,7 @@ class Router:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        caps = [tree_capacity_tokens if tree_capacity_tokens is not None else _kv_capacity(r) for r in self.replicas]
+        caps = [tree_capacity_tokens if tree_capacity_tokens is not None else (r.kv_capacity or None) for r in self.replicas]
         self.trees = [ApproxRadixTree(c) for c in caps]
         self._lock = threading.Lock()
         self._load = [0] * len(self.replicas)
@@ -195,12 +195,17 @@ class Router:
         return self.replicas[0].context_length
 
     @property
-    def model_path(self) -> str | None:
-        return getattr(self.replicas[0], "model_path", None)
+    def model_id(self) -> str:
+        return self.replicas[0].model_id
 
     @property
-    def model_id(self) -> str | None:
-        return getattr(self.replicas[0], "model_id", None)
+    def kv_capacity(self) -> int:
+        """The smallest replica's pool: a request must fit whichever replica it is routed to."""
+        return min(r.kv_capacity for r in self.replicas)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.replicas)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.replicas[0].encode(text, add_special_tokens=add_special_tokens)
@@ -378,13 +383,13 @@ class Router:
 
     # ------------------------------------------------------------------ cache and lifecycle
 
-    def cache_stats(self) -> Any:
+    def cache_stats(self) -> CacheStats:
         """Sum of the replicas' stats (hit rate recomputed over the sums)."""
         stats = [r.cache_stats() for r in self.replicas]
         first = stats[0]
         total = {k: sum(getattr(s, k) for s in stats) for k in vars(first) if k != "hit_rate"}
         total["hit_rate"] = total["cached_tokens"] / total["prompt_tokens"] if total["prompt_tokens"] else 0.0
-        return type(first)(**total)
+        return CacheStats(**total)
 
     def flush_cache(self) -> bool:
         ok = True
@@ -404,7 +409,7 @@ class Router:
 
     @property
     def is_shutdown(self) -> bool:
-        return all(getattr(r, "is_shutdown", False) for r in self.replicas)
+        return all(r.is_shutdown for r in self.replicas)
 
     def __enter__(self) -> "Router":
         return self
@@ -412,9 +417,3 @@ class Router:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-
-def _kv_capacity(replica: Any) -> int | None:
-    try:
-        return int(replica.cache_stats().slots_total) or None
-    except Exception:  # a replica without stats (e.g. a test double): unbounded tree
-        return None

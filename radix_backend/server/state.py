@@ -16,9 +16,6 @@ from .protocol import ChatCompletionRequest
 from .http_errors import ModelNotFoundError
 from .jobs import Job
 
-DEFAULT_MODEL_PATH = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
 class ServerState:
     """The handlers' shared state: the engine, served model names, metrics."""
 
@@ -27,22 +24,19 @@ class ServerState:
         self.engine = engine
         self.incremental_streaming_output = incremental_streaming_output
         self.limits = limits or ServerLimits()
-        # the model as the user named it (HF id, or the name of its dir or .gguf), never a host path nor
-        # the dequantized weights' cache path: SGLang's client picks its chat template from this name
-        self.model_path = public_model_name(model_path or getattr(engine, "model_id", None)
-                                            or getattr(engine, "model_path", None) or DEFAULT_MODEL_PATH)
-        self.model_name = served_model_name or public_model_name(getattr(engine, "model_name", None) or self.model_path)
+        # SGLang's `model_path`: the model as the user named it (HF id, or the name of its dir or .gguf),
+        # never a host path; SGLang's client picks its chat template from this name
+        self.model_path = public_model_name(model_path or engine.model_id)
+        self.model_name = served_model_name or self.model_path  # what /v1/models lists, as in SGLang and vLLM
         # requests may still name the model as the server was started with it (vLLM clients send the path)
-        self._accepted = {self.model_name, self.model_path, "default", model_path, getattr(engine, "model_name", None),
-                          getattr(engine, "model_id", None)} - {None}
-        self._kv_total: int | None = None
+        self._accepted = {self.model_name, self.model_path, "default", model_path, engine.model_id} - {None}
         self.metrics = ServerMetrics(engine)
         self.tok = TokenText(engine)
 
     def chat_template_info(self) -> dict[str, Any]:
         """The tokenizer's Jinja chat template and the special tokens it uses: a client renders chat
         prompts exactly as the server would without reading the checkpoint (whose path is not shown)."""
-        tok = getattr(self.engine, "tokenizer", None)
+        tok = self.engine.tokenizer
         template = getattr(tok, "chat_template", None)
         if not isinstance(template, str):
             return {"chat_template": None}
@@ -86,11 +80,7 @@ class ServerState:
         return room
 
     def kv_total(self) -> int:
-        """KV slots of the smallest replica (a request must fit one replica's pool)."""
-        if self._kv_total is None:
-            replicas = getattr(self.engine, "replicas", None) or [self.engine]
-            self._kv_total = min(int(r.cache_stats().slots_total) for r in replicas)
-        return self._kv_total
+        return self.engine.kv_capacity
 
     @staticmethod
     def completion_inputs(prompt: Any) -> list[dict[str, Any]]:
