@@ -4,9 +4,10 @@ A CPU decode step is dominated by many small torch ops and by gathering K/V out 
 the C kernels read the pool in place and fuse the element-wise ops (see the C file). The source is
 plain C, so the system C compiler (`$CC`, else `cc`) builds it in well under a second with
 `-O3 -march=native`; the library is cached under the user cache dir keyed by the source, the flags,
-the compiler and the CPU, so later processes only load it. Without a compiler, or with
-`RADIX_BACKEND_NATIVE=0`, `available()` is False (the reason is logged once) and callers keep their
-torch path, which stays the reference the kernels are tested against.
+the compiler and the CPU, so later processes only load it. Without a compiler, or with the kernel
+settings' `native` off (`EngineConfig.native_kernels`), `available()` is False (a missing compiler is
+logged once) and callers keep their torch path, which stays the reference the kernels are tested
+against.
 
 The kernels take fp32 CPU tensors (`supports(...)` says whether they can run; choosing the torch
 path otherwise is the caller's job); the wrappers make their inputs contiguous.
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from . import settings
 from .user_cache import CACHE_ENV, cache_dir
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,6 @@ SOURCES = (CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "decode_s
            CSRC / "q4_matmul.c", CSRC / "f32_matmul.c", CSRC / "thread_pool.c")
 HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "q16.h", CSRC / "q4.h", CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
-ENV_SWITCH = "RADIX_BACKEND_NATIVE"
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -116,10 +117,7 @@ def check_private(path: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (with the reason logged once) when they cannot be used here."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        logger.info("native CPU kernels off (%s=0)", ENV_SWITCH)
-        return None
+    """The loaded kernels, or None (with the reason logged once) when they cannot be built here."""
     compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found (set CC or install gcc): native CPU kernels off, torch ops used")
@@ -147,7 +145,8 @@ def check_activation_bits(bits: int) -> None:
 
 
 def available() -> bool:
-    return library() is not None
+    """The kernels may run: the settings allow them and they built here."""
+    return settings.current().native and library() is not None
 
 
 def supports(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:

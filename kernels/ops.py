@@ -4,9 +4,8 @@
 
 Each public function has a pure-torch implementation (`*_torch`, the test reference), a Triton
 kernel (`triton_ops.py`) used for CUDA tensors when Triton imports, and a native C kernel
-(`native.py`) used for fp32 CPU tensors when a C compiler is there. Set the env var
-`RADIX_BACKEND_TRITON_OPS=0` (read at import) or the module flag `USE_TRITON_OPS = False` to keep
-Triton off, and `RADIX_BACKEND_NATIVE=0` (read once per process) to keep the native kernels off.
+(`native.py`) used for fp32 CPU tensors when a C compiler is there. The kernel settings
+(`settings.py`, from `EngineConfig.triton_ops` / `native_kernels`) keep either off.
 
 RoPE cache layout (`cos_sin_cache`): a float tensor [max_pos, rot_dim]; row p holds
 `cos(p * inv_freq)` in columns [0, rot_dim/2) and `sin(p * inv_freq)` in [rot_dim/2, rot_dim),
@@ -20,14 +19,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 import torch.nn.functional as F
 
-from . import native
-
-USE_TRITON_OPS: bool = os.environ.get("RADIX_BACKEND_TRITON_OPS", "1") != "0"
+from . import native, settings
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,7 +32,7 @@ def triton_available() -> bool:
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return USE_TRITON_OPS and x.is_cuda and triton_available()
+    return x.is_cuda and settings.current().triton_ops and triton_available()
 
 
 # ----------------------------------------------------------------------------- public API

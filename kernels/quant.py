@@ -28,13 +28,12 @@ which is how the loader knows it may run a GGUF model in its own precision.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import ggml, native, ops, q4, q8
+from . import ggml, native, ops, q4, q8, settings
 from .q4 import GROUP_SIZE
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
@@ -49,24 +48,14 @@ KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized 
 # (BENCHMARKS.md). The format follows the row count, so a greedy output can still change with its
 # batch-mates; LM heads of GGUF models always take 16 bits: they pick the tokens.
 SMALL_BATCH_ROWS = 16
-ACTIVATION_BITS_ENV = "RADIX_BACKEND_ACTIVATION_BITS"
 HEAD_ACTIVATION_BITS = 16
-
-
-def _large_batch_activation_bits() -> int:
-    value = os.environ.get(ACTIVATION_BITS_ENV, "8")
-    if value not in ("8", "16"):
-        raise ValueError(f"{ACTIVATION_BITS_ENV} must be 8 or 16, got {value!r}")
-    return int(value)
-
-
-LARGE_BATCH_ACTIVATION_BITS = _large_batch_activation_bits()
 
 
 def activation_bits(rows: int) -> int:
     """Activation integers of the native low-bit linears for a matmul of `rows` rows: 16 bits (the
-    fp32 result within ~2e-5) for small batches, `RADIX_BACKEND_ACTIVATION_BITS` (8) above."""
-    return 16 if rows <= SMALL_BATCH_ROWS else LARGE_BATCH_ACTIVATION_BITS
+    fp32 result within ~2e-5) for small batches, the kernel settings' (8 unless
+    `EngineConfig.activation_bits` says 16) above."""
+    return 16 if rows <= SMALL_BATCH_ROWS else settings.current().large_batch_activation_bits
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Backend selection: `auto` picks flashinfer (CUDA + it imports), else triton on CUDA, else torch."""
+"""Backend selection, the one place that picks the attention kernels: `auto` picks flashinfer (CUDA
+and it imports), else triton on CUDA; on the CPU the native kernels where they run, else torch."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import logging
 
 import torch
 
+from . import native
 from .attention_base import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer")
+BACKEND_NAMES = ("auto", "native", "torch", "triton", "flashinfer")
 
 
 @functools.cache
@@ -33,16 +35,21 @@ def available_backends(device: torch.device | str) -> list[str]:
     names = ["torch"]
     if torch.device(device).type == "cuda":
         names += [name for name in ("triton", "flashinfer") if _imports(name)]
+    elif native.available():
+        names.append("native")
     return names
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    avail = available_backends(device)
+    if name == "native" and name not in avail:
+        raise ValueError("attention_backend 'native' runs on the CPU with the native kernels, which are not "
+                         "available here (a CUDA device, no C compiler, or native_kernels off); use torch")
     if name != "auto":
         return name
-    avail = available_backends(device)
-    for pick in ("flashinfer", "triton"):
+    for pick in ("flashinfer", "triton", "native"):
         if pick in avail:
             return pick
     return "torch"
@@ -55,6 +62,9 @@ def create_attention_backend(name: str, device: torch.device | str, *, page_size
     if name == "torch":
         from .torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
+    if name == "native":
+        from .native_backend import NativeCPUAttentionBackend
+        return NativeCPUAttentionBackend()
     if name == "triton":
         from .triton_backend import TritonAttentionBackend
         return TritonAttentionBackend(**kwargs)

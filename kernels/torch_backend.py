@@ -3,21 +3,17 @@
 Per forward it plans once (shared by all layers): each request's keys are its slot list; prefixes
 that several requests share (one radix node) are attended once for all of them
 (`shared_prefix.py`), and only each request's remainder is gathered per request. Requests are
-batched into one padded product when padding wastes little, else attended one by one. On the CPU
-with fp32 K/V the native kernels (`native.py`) read the pool in place instead: decode steps attend
-each remainder with them, and extends attend every request's whole context in one call (no
-shared-prefix pass: the kernel loads each block of keys once for a tile of query rows, so a shared
-prefix costs the same arithmetic as the torch path's shared product, without its gathers).
+batched into one padded product when padding wastes little, else attended one by one. The native
+CPU backend (`native_backend.py`) keeps this plan and swaps the products for C kernels.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from . import native
 from . import shared_prefix as sp
 from .attention_base import AttentionBackend, AttentionMetadata
 from .decode_kv import DecodeKVBuffer
@@ -32,44 +28,43 @@ MIN_BUFFERED_KEYS = 4096
 # Longer extends run one request at a time: there the flash kernel's causal mode skips the masked
 # half, which an explicit padding mask cannot (1024-token prefill: 650 -> 444 ms of attention)
 MAX_PADDED_EXTEND = 32
-# Native decode steps over at least this many keys in all split their requests over the intra-op
-# threads (csrc/thread_pool.c). Alone, two threads gain from a few hundred keys on (2-core EPYC, us
-# per layer, 1 vs 2 threads: 4 requests x 100 keys 43 vs 24, 32 x 40 185 vs 75, 32 x 150 699 vs
-# 348), but inside a per-layer decode step they meet torch's OpenMP threads, which still spin after
-# each GEMM: a 32-request step over 3,200 keys took 82-90 ms with a 256-key bound against 66-72 ms
-# with this one (three alternating rounds).
-NATIVE_THREADED_KEYS = 4096
+@dataclass
+class Plan:
+    """How one forward's attention runs, shared by every layer."""
+
+    groups: list[sp.SharedPrefix] = field(default_factory=list)
+    group_rows: list[torch.Tensor] = field(default_factory=list)  # per group: its members' query rows, in order
+    padded: bool = False
+    # padded layout: query row and key slot per (request, position), validity as an additive mask
+    query_rows: torch.Tensor | None = None  # [B, Emax] int64 row of q for each (request, new token)
+    key_slots: torch.Tensor | None = None  # [B, Lmax] int64
+    key_lens: torch.Tensor | None = None  # [B] int64 valid keys per row
+    mask: torch.Tensor | None = None  # [B, 1, Emax, Lmax] fp32, 0 or -inf
+    valid_rows: torch.Tensor | None = None  # [B * Emax] bool: padded positions that are real tokens
+    # per-request layout (not padded): remainder slots and causal offset of each request
+    rest_slots: list[torch.Tensor] = field(default_factory=list)
+    causal_offsets: list[int] = field(default_factory=list)
 
 
 @dataclass
-class _Plan:
+class SharedLayout:
+    """Each request's keys split into a prefix shared with others (attended once per group) and
+    its remainder."""
+
+    kv_ptr: list[int]
+    qo_ptr: list[int]
     groups: list[sp.SharedPrefix]
-    group_rows: list[torch.Tensor]  # per group: its members' query rows, in token order
-    padded: bool
-    # padded layout: query row and key slot per (request, position), validity as an additive mask
-    query_rows: torch.Tensor | None  # [B, Emax] int64 row of q for each (request, new token)
-    key_slots: torch.Tensor | None  # [B, Lmax] int64
-    key_lens: torch.Tensor | None  # [B] int64 valid keys per row
-    mask: torch.Tensor | None  # [B, 1, Emax, Lmax] fp32, 0 or -inf
-    valid_rows: torch.Tensor | None  # [B * Emax] bool: padded positions that are real tokens
-    # per-request layout (not padded): remainder slots and causal offset of each request
-    rest_slots: list[torch.Tensor]
-    causal_offsets: list[int]
-    # native decode: request i's remainder is kv_indices[native_starts[i]:][:native_lens[i]]
-    native_starts: torch.Tensor | None = None
-    native_lens: torch.Tensor | None = None
-    native_threads: int = 1
-    # native extend: request i owns q rows [qo_indptr[i], +extend[i]) and keys kv_indices[kv_indptr[i]:][:seq[i]]
-    native_extend: bool = False
+    group_rows: list[torch.Tensor]
+    shared: list[int]  # keys of request i inside a shared group
+    rest_lens: list[int]  # keys of request i after that
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, share_prefixes: bool = True, use_native: bool = True) -> None:
+    def __init__(self, share_prefixes: bool = True) -> None:
         self.share_prefixes = share_prefixes
-        self.use_native = use_native
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self._plan_meta: AttentionMetadata | None = None
         self.decode_kv = DecodeKVBuffer()  # K/V of consecutive decode steps, kept between them
         self.min_buffered_keys = MIN_BUFFERED_KEYS
@@ -81,13 +76,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             self.decode_kv.reset()  # an extend may rewrite slots the buffer copied
 
-    def native_decode_slots(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        plan = self._plan
-        if self._plan_meta is not meta or plan is None or plan.native_lens is None or plan.groups:
-            return None
-        return plan.native_starts, plan.native_lens
-
-    def _buffered(self, meta: AttentionMetadata, plan: _Plan) -> bool:
+    def _buffered(self, meta: AttentionMetadata, plan: Plan) -> bool:
         """Decode steps that gather enough K/V for the buffer to pay for its extra small ops."""
         return meta.is_decode and plan.key_slots is not None and plan.key_slots.numel() >= self.min_buffered_keys
 
@@ -95,22 +84,12 @@ class TorchAttentionBackend(AttentionBackend):
         self.store_kv(k, v, k_cache, v_cache, meta)
         planned = self._plan_meta is meta
         plan = self._plan if planned else self._build_plan(meta)
+        return self._attend(q, k, v, k_cache, v_cache, meta, plan, planned, scale)
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: Plan, planned: bool,
+                scale: float) -> torch.Tensor:
         tokens, hq, dim = q.shape
-        hkv = k_cache.shape[1]
-        native_ok = self._native_ok(q, k_cache, v_cache) and (native.extend_attention_dim_ok(dim)
-                                                              or not plan.native_extend)
-        if (plan.native_extend or plan.native_lens is not None) and not native_ok:
-            plan = self._build_plan(meta, allow_native=False)  # e.g. a bf16 pool: the torch path
-            if planned:
-                self._plan = plan
-        if plan.native_extend:
-            return self._native_extend(q, k_cache, v_cache, meta, scale)
-        if plan.native_lens is not None:
-            out, lse = self._native_decode(q, k_cache, v_cache, meta, plan, scale)
-            if not plan.groups:
-                return out
-            out, lse = out.view(tokens, hkv, hq // hkv, dim), lse.view(tokens, hkv, hq // hkv, 1)
-        elif planned and self._buffered(meta, plan):
+        if planned and self._buffered(meta, plan):
             out, lse = self._decode(q, k, v, k_cache, v_cache, plan, scale)
             if not plan.groups:
                 return out.view(tokens, hq, dim)
@@ -122,19 +101,22 @@ class TorchAttentionBackend(AttentionBackend):
             out, lse = self._padded_attend(q, k_cache, v_cache, plan, scale)
         else:
             out, lse = self._per_request(q, k_cache, v_cache, meta, plan, scale, with_lse=True)
+        return self._merge_shared(q, out, lse, k_cache, v_cache, plan, scale)
+
+    def _merge_shared(self, q, out, lse, k_cache, v_cache, plan: Plan, scale: float) -> torch.Tensor:
+        """Attend each group's queries over its shared prefix once and merge that into `out`
+        ([T, Hkv, G, D], with `lse`, over the remainders)."""
+        tokens, hq, dim = q.shape
+        hkv = k_cache.shape[1]
         q_groups = q.view(tokens, hkv, hq // hkv, dim)
         for group, rows in zip(plan.groups, plan.group_rows):
             qr = q_groups.index_select(0, rows)  # [R, Hkv, G, D]
-            if plan.native_lens is not None and native.extend_attention_dim_ok(dim):  # fp32 contiguous pool
-                out_p, lse_p = self._native_shared(qr, k_cache, v_cache, group, scale)
-            else:
-                out_p, lse_p = self._torch_shared(qr, k_cache, v_cache, group, scale)
+            out_p, lse_p = self._shared_prefix_attention(qr, k_cache, v_cache, group, plan, scale)
             merged = sp.merge(out_p, lse_p, out.index_select(0, rows), lse.index_select(0, rows))
             out.index_copy_(0, rows, merged.to(out.dtype))
         return out.view(tokens, hq, dim)
 
-    @staticmethod
-    def _torch_shared(qr, k_cache, v_cache, group: sp.SharedPrefix, scale: float):
+    def _shared_prefix_attention(self, qr, k_cache, v_cache, group: sp.SharedPrefix, plan: Plan, scale: float):
         """(out, lse) [R, Hkv, G, D|1] of a group's queries over its shared prefix: one product."""
         r, hkv, g, dim = qr.shape
         keys = sp.read_slots(k_cache, group.slots, group.contiguous_start).transpose(0, 1)  # [Hkv, Lp, D]
@@ -143,31 +125,9 @@ class TorchAttentionBackend(AttentionBackend):
         out_p, lse_p = sp.attend(qr, keys[None].to(qr.dtype), values[None].to(qr.dtype), scale)
         return out_p.view(hkv, r, g, dim).permute(1, 0, 2, 3), lse_p.view(hkv, r, g, 1).permute(1, 0, 2, 3)
 
-    @staticmethod
-    def _native_shared(qr, k_cache, v_cache, group: sp.SharedPrefix, scale: float):
-        """`_torch_shared` through the extend kernel: the group's queries as one request that sees
-        all of the prefix (not causal), read from the pool in place."""
-        r, hkv, g, dim = qr.shape
-        zero, count, length = torch.zeros(1, dtype=torch.int64), torch.tensor([r]), torch.tensor([group.length])
-        out_p, lse_p = native.extend_attention(qr.reshape(r, hkv * g, dim), k_cache, v_cache, group.slots, zero,
-                                               count, zero, length, scale, causal=False, with_lse=True,
-                                               threads=torch.get_num_threads())
-        return out_p.view(r, hkv, g, dim), lse_p.view(r, hkv, g, 1)
-
-    @staticmethod
-    def _native_ok(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        return native.supports(q, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
-
     # ---- planning ---------------------------------------------------------------------------
-    def _native_planned(self, meta: AttentionMetadata, allow_native: bool) -> bool:
-        """The native kernels can read this batch's slot table (CPU, int64, contiguous)."""
-        return (allow_native and self.use_native and meta.kv_indices.device.type == "cpu"
-                and meta.kv_indices.dtype == torch.int64 and meta.kv_indices.is_contiguous() and native.available())
-
-    def _build_plan(self, meta: AttentionMetadata, allow_native: bool = True) -> _Plan:
-        prefix, extend = meta.prefix_lens_cpu, meta.extend_lens_cpu
-        if not meta.is_decode and self._native_planned(meta, allow_native):
-            return _Plan([], [], False, None, None, None, None, None, [], [], native_extend=True)
+    def _shared_layout(self, meta: AttentionMetadata) -> SharedLayout:
+        prefix = meta.prefix_lens_cpu
         kv_ptr = meta.kv_indptr.tolist()
         qo_ptr = meta.qo_indptr.tolist()
         groups, shared = ([], [0] * len(prefix))
@@ -177,25 +137,27 @@ class TorchAttentionBackend(AttentionBackend):
         device = meta.kv_indices.device
         group_rows = [torch.cat([torch.arange(qo_ptr[i], qo_ptr[i + 1]) for i in g.members.tolist()]).to(device)
                       for g in groups]
-        if meta.is_decode and self._native_planned(meta, allow_native):
-            starts = torch.tensor([kv_ptr[i] + shared[i] for i in range(len(prefix))], dtype=torch.int64)
-            threads = torch.get_num_threads() if sum(rest_lens) >= NATIVE_THREADED_KEYS else 1
-            return _Plan(groups, group_rows, False, None, None, None, None, None, [], [], native_starts=starts,
-                         native_lens=torch.tensor(rest_lens, dtype=torch.int64), native_threads=threads)
+        return SharedLayout(kv_ptr, qo_ptr, groups, group_rows, shared, rest_lens)
+
+    def _build_plan(self, meta: AttentionMetadata) -> Plan:
+        prefix, extend = meta.prefix_lens_cpu, meta.extend_lens_cpu
+        layout = self._shared_layout(meta)
+        rest_lens, shared = layout.rest_lens, layout.shared
         max_e, max_l = max(extend), max(rest_lens)
         real = sum(e * n for e, n in zip(extend, rest_lens))
         padded = meta.is_decode or (max_e <= MAX_PADDED_EXTEND
                                     and len(prefix) * max_e * max_l <= MAX_PADDING_FACTOR * real)
-        plan = _Plan(groups, group_rows, padded, None, None, None, None, None, [], [])
+        plan = Plan(layout.groups, layout.group_rows, padded)
         if padded:
-            self._plan_padded(plan, meta, kv_ptr, qo_ptr, shared, rest_lens, max_e, max_l)
+            self._plan_padded(plan, meta, layout.kv_ptr, layout.qo_ptr, shared, rest_lens, max_e, max_l)
         else:
+            kv_ptr = layout.kv_ptr
             plan.rest_slots = [meta.kv_indices[kv_ptr[i] + shared[i]:kv_ptr[i + 1]] for i in range(len(prefix))]
             plan.causal_offsets = [prefix[i] - shared[i] for i in range(len(prefix))]
         return plan
 
     @staticmethod
-    def _plan_padded(plan: _Plan, meta: AttentionMetadata, kv_ptr: list[int], qo_ptr: list[int],
+    def _plan_padded(plan: Plan, meta: AttentionMetadata, kv_ptr: list[int], qo_ptr: list[int],
                      shared: list[int], rest_lens: list[int], max_e: int, max_l: int) -> None:
         device = meta.kv_indices.device
         bsz = len(rest_lens)
@@ -218,21 +180,7 @@ class TorchAttentionBackend(AttentionBackend):
         plan.mask = mask.masked_fill_(~visible, float("-inf"))[:, None]  # [B, 1, Emax, Lmax]
 
     # ---- the remainder of each request ----------------------------------------------------------
-    @staticmethod
-    def _native_decode(q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float):
-        """(out [B, Hq, D], lse [B, Hq] or None) over each request's remainder, read in place."""
-        return native.decode_attention(q, k_cache, v_cache, meta.kv_indices, plan.native_starts, plan.native_lens,
-                                       scale, with_lse=bool(plan.groups), threads=plan.native_threads)
-
-    @staticmethod
-    def _native_extend(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Every request's new tokens against its whole context, causally, read in place."""
-        out, _ = native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1], meta.extend_lens,
-                                         meta.kv_indptr[:-1], meta.seq_lens, scale, causal=True,
-                                         threads=torch.get_num_threads())
-        return out
-
-    def _decode(self, q, k, v, k_cache, v_cache, plan: _Plan, scale: float):
+    def _decode(self, q, k, v, k_cache, v_cache, plan: Plan, scale: float):
         """One new token per request: (out, lse) [B, Hkv, G, D|1] over each request's remainder."""
         keys, values = self.decode_kv.read(k_cache, v_cache, k, v)
         bsz, hkv = keys.shape[:2]
@@ -241,7 +189,7 @@ class TorchAttentionBackend(AttentionBackend):
                                 with_lse=bool(plan.groups))
 
     @staticmethod
-    def _gather_padded(q, k_cache, v_cache, plan: _Plan):
+    def _gather_padded(q, k_cache, v_cache, plan: Plan):
         bsz, max_e = plan.query_rows.shape
         max_l = plan.key_slots.shape[1]
         flat = plan.key_slots.reshape(-1)  # index_select is ~3x faster than advanced indexing on CPU
@@ -250,13 +198,13 @@ class TorchAttentionBackend(AttentionBackend):
         queries = q.index_select(0, plan.query_rows.reshape(-1)).view(bsz, max_e, *q.shape[1:]).transpose(1, 2)
         return queries, keys.to(q.dtype), values.to(q.dtype)  # [B, H, E|L, D]
 
-    def _padded_sdpa(self, q, k_cache, v_cache, plan: _Plan, scale: float) -> torch.Tensor:
+    def _padded_sdpa(self, q, k_cache, v_cache, plan: Plan, scale: float) -> torch.Tensor:
         queries, keys, values = self._gather_padded(q, k_cache, v_cache, plan)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask.to(q.dtype), scale=scale,
                                              enable_gqa=keys.shape[1] != q.shape[1])
         return self._unpad(out.transpose(1, 2), plan, q.shape[0])
 
-    def _padded_attend(self, q, k_cache, v_cache, plan: _Plan, scale: float):
+    def _padded_attend(self, q, k_cache, v_cache, plan: Plan, scale: float):
         queries, keys, values = self._gather_padded(q, k_cache, v_cache, plan)
         bsz, hq, max_e, dim = queries.shape
         hkv = keys.shape[1]
@@ -269,7 +217,7 @@ class TorchAttentionBackend(AttentionBackend):
         return self._unpad(out, plan, q.shape[0]), self._unpad(lse, plan, q.shape[0])
 
     @staticmethod
-    def _unpad(x: torch.Tensor, plan: _Plan, tokens: int) -> torch.Tensor:
+    def _unpad(x: torch.Tensor, plan: Plan, tokens: int) -> torch.Tensor:
         """[B, Emax, ...] padded rows -> [T, ...] in token order (requests are contiguous in q)."""
         flat = x.reshape(-1, *x.shape[2:])
         if flat.shape[0] == tokens:
@@ -277,7 +225,7 @@ class TorchAttentionBackend(AttentionBackend):
         return flat[plan.valid_rows]
 
     @staticmethod
-    def _per_request(q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float, with_lse: bool):
+    def _per_request(q, k_cache, v_cache, meta: AttentionMetadata, plan: Plan, scale: float, with_lse: bool):
         """One request at a time: its new tokens against its remainder, without explicit masks."""
         tokens, hq, dim = q.shape
         hkv = k_cache.shape[1]

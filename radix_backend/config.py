@@ -2,14 +2,18 @@
 
 `Engine(model, config=None, **overrides)` builds one; the model runner, the scheduler and the
 tensor-parallel workers read it; the server's and CLI's flags are generated from its fields
-(`add_cli_args` / `from_cli_args`), so a default or a choice list is written once, here.
+(`add_cli_args` / `from_cli_args`), so a default or a choice list is written once, here. The
+environment is read here only, once per config (`from_env`: the `RADIX_*` variables of
+`ENV_KNOBS`); nothing below reads it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +25,7 @@ TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
                 "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 DTYPE_NAMES = ("auto", *TORCH_DTYPES)
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
+ACTIVATION_BITS = (8, 16)
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")  # the order of waiting requests (see scheduler/admission.py)
 
 
@@ -34,16 +39,16 @@ class EngineConfig:
 
     device: str = _knob("auto", "cpu, cuda, cuda:N, or auto (CUDA when available)")
     dtype: str = _knob("auto", "weights and KV dtype; auto: bf16 on CUDA, fp32 on CPU", DTYPE_NAMES)
-    quantization: str | None = _knob(
-        None, "weight-only quantized linears; default: $RADIX_BACKEND_QUANTIZATION or auto (int4 for 4-bit GGUF "
-        "models on CPUs where it is faster)", QUANTIZATION_MODES)
+    quantization: str = _knob(
+        "auto", "weight-only quantized linears; auto: a GGUF model in its own types where the native CPU kernels "
+        "run, fp otherwise", QUANTIZATION_MODES)
     kv_cache_tokens: int | None = _knob(None, "KV pool size in tokens (default: from mem_fraction)")
     mem_fraction: float | None = _knob(None, "share of free memory for the KV pool (default: 0.8 CUDA, 0.2 CPU)")
     page_size: int = _knob(1, "tokens per KV page (radix matches round down to whole pages)")
     schedule_policy: str = _knob("lpm", "admission order: longest cached prefix, radix-subtree groups, or arrival",
                                  SCHEDULE_POLICIES)
-    attention_backend: str = _knob("auto", "attention kernels; auto: flashinfer, then triton on CUDA, torch on CPU",
-                                   BACKEND_NAMES)
+    attention_backend: str = _knob("auto", "attention kernels; auto: flashinfer, then triton on CUDA; native, else "
+                                   "torch on the CPU", BACKEND_NAMES)
     max_running_requests: int = _knob(64, "requests decoding at once")
     chunked_prefill_tokens: int = _knob(2048, "prefill tokens per forward; longer prompts are chunked")
     disable_radix_cache: bool = _knob(False, "never reuse KV across requests (for comparison)")
@@ -57,6 +62,13 @@ class EngineConfig:
     disk_cache_bytes: int = _knob(8 << 30, "size cap of the disk KV tier in bytes (least recently used files go first)")
     disk_cache_write_through_tokens: int = _knob(
         256, "sequences at least this long are written to the disk tier as soon as cached; shorter ones on eviction")
+    native_kernels: bool = _knob(True, "our C kernels for CPU tensors where a compiler builds them (off: torch ops, "
+                                 "the reference); process-wide")
+    triton_ops: bool = _knob(True, "Triton layer ops for CUDA tensors (off: torch ops); process-wide")
+    activation_bits: int = _knob(8, "activation integers of the native low-bit linears above 16 rows (16 keeps a "
+                                 "GGUF model's greedy tokens equal to its fp32 reference's); process-wide")
+    tp_timeout_s: float = _knob(300.0, "seconds one tensor-parallel collective may take before the group fails")
+    tp_startup_timeout_s: float = _knob(300.0, "seconds tensor-parallel workers may take to start and load")
     debug_slots: bool = _knob(False, "check every KV slot free/alloc (slow; for tests)", cli=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +88,23 @@ class EngineConfig:
             raise ValueError("disk_cache_dir needs the radix cache and one process (tp_size 1)")
         if self.mem_fraction is not None and not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction!r}")
+        if self.activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits must be 8 or 16, got {self.activation_bits!r}")
+        for name in ("tp_timeout_s", "tp_startup_timeout_s"):
+            if not isinstance(getattr(self, name), (int, float)) or not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> EngineConfig:
+        """The defaults, then the `RADIX_*` variables of `ENV_KNOBS` set in `environ` (default:
+        the process environment), then `overrides`. A malformed value is an error naming it."""
+        env = os.environ if environ is None else environ
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for name, var in ENV_KNOBS.items():
+            if var in env:
+                values[name] = _parse_env(var, env[var], _base_type(hints[name]))
+        return cls(**values).replace(**overrides)
 
     def replace(self, **overrides: Any) -> EngineConfig:
         """A copy with `overrides` applied (checked); an unknown name is a TypeError naming the knobs."""
@@ -89,6 +118,29 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
+ENV_KNOBS = {
+    "quantization": "RADIX_BACKEND_QUANTIZATION",
+    "native_kernels": "RADIX_BACKEND_NATIVE",
+    "triton_ops": "RADIX_BACKEND_TRITON_OPS",
+    "activation_bits": "RADIX_BACKEND_ACTIVATION_BITS",
+    "tp_timeout_s": "RADIX_TP_TIMEOUT_S",
+    "tp_startup_timeout_s": "RADIX_TP_STARTUP_TIMEOUT_S",
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_env(var: str, text: str, kind: type) -> Any:
+    value = text.strip()
+    try:
+        if kind is bool:
+            if value.lower() not in _TRUE + _FALSE:
+                raise ValueError("expected 1/0, true/false, yes/no or on/off")
+            return value.lower() in _TRUE
+        return kind(value)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {var}={text!r} is not a valid {kind.__name__}: {exc}") from None
+
+
 Parser = typing.Union[argparse.ArgumentParser, "argparse._ArgumentGroup"]
 
 
@@ -96,15 +148,17 @@ def add_cli_args(parser: Parser, only: typing.Iterable[str] | None = None) -> Pa
     """Add `--kebab-case` flags for EngineConfig's fields (all CLI fields, or `only` these)."""
     hints = typing.get_type_hints(EngineConfig)
     wanted = set(only) if only is not None else None
+    defaults = EngineConfig.from_env()  # a RADIX_* variable sets a flag's default
     for f in dataclasses.fields(EngineConfig):
         if not f.metadata["cli"] or (wanted is not None and f.name not in wanted):
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
+        default = getattr(defaults, f.name)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+            parser.add_argument(flag, type=kind, default=default, choices=f.metadata["choices"],
                                 help=f.metadata["help"])
     return parser
 

@@ -20,7 +20,7 @@ import torch
 from .config import EngineConfig
 from .errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
 from .model_executor.loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint
-from .model_executor.model_runner import ModelRunner
+from .model_executor.model_runner import KernelPath, ModelRunner
 from .outputs import CacheStats, ChoiceScore, GenerateOutput, StreamChunk
 from .scheduler.request import Req, RequestHandle
 from .sampling_params import SamplingParams, check_encodable
@@ -41,7 +41,7 @@ class Engine:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None, **overrides: Any) -> None:
         """`model`: None (the embedded SmolLM2-135M), an HF checkpoint dir or a .gguf file.
         `config` and/or keyword `overrides` set the EngineConfig knobs (device, kv_cache_tokens, ...)."""
-        self.config = (config or EngineConfig()).replace(**overrides)
+        self.config = (config or EngineConfig.from_env()).replace(**overrides)
         self.checkpoint = resolve_checkpoint(model)
         self.model_id = model if model is not None else EMBEDDED_MODEL_ID  # as the user named it; no cache paths
         self.tokenizer = load_tokenizer(self.checkpoint)
@@ -96,6 +96,11 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
+
+    @property
+    def kernel_path(self) -> KernelPath:
+        """What runs the model: attention backend, layer ops, linears, decode stack, CUDA graphs."""
+        return self.runner.kernel_path
 
     @property
     def kv_capacity(self) -> int:

@@ -18,7 +18,7 @@ SCALE = 1 / math.sqrt(D)
 
 def buffered_backend() -> TorchAttentionBackend:
     """The torch backend with the buffer used at any size (the engine's threshold skips small steps)."""
-    backend = TorchAttentionBackend(use_native=False)  # the buffer serves the torch decode path
+    backend = TorchAttentionBackend()  # the buffer serves the torch decode path
     backend.min_buffered_keys = 0
     return backend
 
@@ -123,7 +123,7 @@ def test_over_the_byte_budget_layers_gather_every_step() -> None:
 
 def test_small_decode_steps_skip_the_buffer() -> None:
     """Below min_buffered_keys the step gathers as before (the buffer's small ops would cost more)."""
-    pool, backend = Pool(), TorchAttentionBackend(use_native=False)  # the buffer serves the torch decode path
+    pool, backend = Pool(), TorchAttentionBackend()  # the buffer serves the torch decode path
     backend.min_buffered_keys = 64
     small = [pool.new_request(n) for n in (5, 9)]  # 2 x 10 padded keys: plain path
     for _ in range(3):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radix_backend import Engine, SamplingParams
-from radix_backend.kernels import decode_stack, native, q4, q8, quant
+from radix_backend.kernels import decode_stack, native, q4, q8, quant, settings
 from radix_backend.kernels.decode_stack import DecodeStack
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels unavailable (no C compiler)")
@@ -79,7 +79,7 @@ def test_int4_linear_takes_large_batches_in_8_bits_and_small_ones_in_16():
     weight = q.dequantize().double()
     small, large = torch.randn(quant.SMALL_BATCH_ROWS, 128), torch.randn(quant.SMALL_BATCH_ROWS + 1, 128)
     assert relative_error(layer(small), small.double() @ weight.t()) < 1e-4
-    want = (rounded_to_8_bits(large) if quant.LARGE_BATCH_ACTIVATION_BITS == 8 else large.double()) @ weight.t()
+    want = (rounded_to_8_bits(large) if settings.current().large_batch_activation_bits == 8 else large.double()) @ weight.t()
     assert relative_error(layer(large), want) < 1e-3
     assert layer(torch.randn(0, 128)).shape == (0, 64)  # an empty batch is an empty result, not an error
 

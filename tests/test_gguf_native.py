@@ -15,7 +15,7 @@ import torch
 from gguf_files import ModelSpec, requantize_smollm2, write_model
 from radix_backend import Engine, SamplingParams
 from radix_backend.errors import ModelLoadError
-from radix_backend.kernels import native, ops, quant
+from radix_backend.kernels import native, ops
 from radix_backend.model_executor.loader import resolve_checkpoint
 
 pytest.importorskip("gguf")
@@ -48,7 +48,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
 
 
-def test_a_gguf_runs_in_its_own_types_and_tracks_the_fp32_reference(model_file, monkeypatch):
+def test_a_gguf_runs_in_its_own_types_and_tracks_the_fp32_reference(model_file):
     with Engine(str(model_file), kv_cache_tokens=1024, quantization="auto") as eng, \
             Engine(str(model_file), kv_cache_tokens=1024, quantization="none") as ref:
         report = eng.runner.quantization
@@ -70,11 +70,11 @@ def test_a_gguf_runs_in_its_own_types_and_tracks_the_fp32_reference(model_file, 
         warm = [o.token_ids for o in eng.generate(input_ids=ids, params=params)]
         assert eng.cache_stats().cached_tokens > 0 and cold == warm
         # 16-bit activations everywhere: the file's own weights at fp32 accuracy, fp32's tokens
-        monkeypatch.setattr(quant, "LARGE_BATCH_ACTIVATION_BITS", 16)
-        assert eng.flush_cache()
+    with Engine(str(model_file), kv_cache_tokens=1024, quantization="auto", activation_bits=16) as exact, \
+            Engine(str(model_file), kv_cache_tokens=1024, quantization="none") as ref:
         for prompt in ids:
-            assert relative_error(eng.next_token_logits(prompt), ref.next_token_logits(prompt)) < 1e-3
-        assert [o.token_ids for o in eng.generate(input_ids=ids, params=params)] == \
+            assert relative_error(exact.next_token_logits(prompt), ref.next_token_logits(prompt)) < 1e-3
+        assert [o.token_ids for o in exact.generate(input_ids=ids, params=params)] == \
             [o.token_ids for o in ref.generate(input_ids=ids, params=params)]
 
 
@@ -166,7 +166,7 @@ def test_damaged_files_are_clear_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_requantized_like_q4_k_m(tmp_path, monkeypatch):
+def test_smollm2_requantized_like_q4_k_m(tmp_path):
     """SmolLM2 as llama.cpp's Q4_K_M makes it (576 features are not whole super-blocks, so most
     matrices fall back to Q5_0; ffn_down takes Q4_K/Q6_K, attn_v Q8_0): the engine runs it in
     those types, cached == uncached, and with 16-bit activations its greedy tokens are the fp32
@@ -177,13 +177,12 @@ def test_smollm2_requantized_like_q4_k_m(tmp_path, monkeypatch):
     prompts = [[{"role": "user", "content": p}] for p in ("What is the capital of France?",
                                                           "Write a haiku about the sea.")]
     params = SamplingParams(max_new_tokens=16, temperature=0)
-    with Engine(str(path), kv_cache_tokens=4096, quantization="auto") as eng, \
-            Engine(str(path), kv_cache_tokens=4096, quantization="none") as ref:
+    with Engine(str(path), kv_cache_tokens=4096, quantization="auto") as eng:
         assert set(eng.runner.quantization.kernels) == {"Q5_0", "Q6_K", "Q8_0"}
         cold = [o.token_ids for o in eng.generate(messages=prompts, params=params)]
         warm = [o.token_ids for o in eng.generate(messages=prompts, params=params)]
         assert cold == warm
-        monkeypatch.setattr(quant, "LARGE_BATCH_ACTIVATION_BITS", 16)
-        assert eng.flush_cache()
-        assert [o.token_ids for o in eng.generate(messages=prompts, params=params)] == \
+    with Engine(str(path), kv_cache_tokens=4096, quantization="auto", activation_bits=16) as exact, \
+            Engine(str(path), kv_cache_tokens=4096, quantization="none") as ref:
+        assert [o.token_ids for o in exact.generate(messages=prompts, params=params)] == \
             [o.token_ids for o in ref.generate(messages=prompts, params=params)]

@@ -1,4 +1,5 @@
-"""attention_backend="auto" picks flashinfer (CUDA + it imports), else triton on CUDA, else torch."""
+"""attention_backend="auto" picks flashinfer (CUDA + it imports), else triton on CUDA; on the CPU the
+native backend where the native kernels run, else torch."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import types
 
 import pytest
 
-from radix_backend.kernels import registry
+from radix_backend.kernels import native, registry, settings
 
 
 @pytest.fixture
@@ -34,10 +35,19 @@ def installed(monkeypatch):
     registry._imports.cache_clear()
 
 
-def test_auto_on_cpu_is_torch_whatever_is_installed(installed) -> None:
+def test_auto_on_cpu_is_native_or_torch_whatever_is_installed(installed) -> None:
     installed(triton=True, flashinfer=True)
-    assert registry.available_backends("cpu") == ["torch"]
-    assert registry.resolve_backend_name("auto", "cpu") == "torch"
+    with settings.overridden(native=False):
+        assert registry.available_backends("cpu") == ["torch"]
+        assert registry.resolve_backend_name("auto", "cpu") == "torch"
+        assert registry.create_attention_backend("torch", "cpu").name == "torch"
+        with pytest.raises(ValueError, match="native.*not available here"):
+            registry.resolve_backend_name("native", "cpu")
+    if native.available():
+        assert registry.available_backends("cpu") == ["torch", "native"]
+        assert registry.create_attention_backend("auto", "cpu").name == "native"
+    with pytest.raises(ValueError, match="native.*not available here"):
+        registry.resolve_backend_name("native", "cuda")
 
 
 def test_auto_on_cuda_prefers_flashinfer_then_triton(installed) -> None:
@@ -61,4 +71,4 @@ def test_explicit_names_pass_through_and_unknown_names_raise() -> None:
     assert registry.resolve_backend_name("torch", "cuda") == "torch"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         registry.resolve_backend_name("xformers", "cpu")
-    assert registry.create_attention_backend("auto", "cpu").name == "torch"
+    assert registry.create_attention_backend("torch", "cpu").name == "torch"

@@ -10,7 +10,7 @@ import torch
 from radix_backend import Engine, SamplingParams
 from radix_backend.kernels import native, ops
 from radix_backend.kernels.attention_base import AttentionMetadata
-from radix_backend.kernels.torch_backend import TorchAttentionBackend
+from radix_backend.kernels.native_backend import NativeCPUAttentionBackend, NativePlan
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels unavailable (no C compiler)")
 
@@ -140,7 +140,7 @@ def test_extend_attention_survives_extreme_scores_and_rejects_odd_head_sizes():
 
 
 def test_backend_extends_natively_and_keeps_torch_for_other_head_sizes():
-    """The torch backend hands extends to the native kernel; a head size it cannot take (40)
+    """The native backend hands extends to the native kernel; a head size it cannot take (40)
     falls back to the torch path, with the same result."""
     for dim in (64, 40):
         args, slot_lists = extend_case(6, 2, dim, [4, 9], [30, 0], seed=dim)
@@ -148,11 +148,11 @@ def test_backend_extends_natively_and_keeps_torch_for_other_head_sizes():
         out_slots = torch.cat([slots[-n:] for slots, n in zip(slot_lists, [4, 9])])
         meta = AttentionMetadata.build([30, 0], [4, 9], kv_indices, out_slots, "cpu")
         new_k, new_v = k_cache[out_slots].clone(), v_cache[out_slots].clone()
-        backend = TorchAttentionBackend()
+        backend = NativeCPUAttentionBackend()
         backend.begin_forward(meta)
-        assert backend._plan.native_extend
+        assert isinstance(backend._plan, NativePlan) and backend._plan.extend
         out = backend.forward(q, new_k, new_v, k_cache, v_cache, meta, 0.125)
-        assert backend._plan.native_extend == (dim == 64)
+        assert isinstance(backend._plan, NativePlan) == (dim == 64)
         ref, _ = reference_extend(q, k_cache, v_cache, slot_lists, [4, 9], 0.125)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -252,17 +252,18 @@ def test_engine_tokens_and_logits_equal_with_and_without_native_kernels(tiny_lla
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 5, [9, 10, 11] * 20, [1, 2, 3, 4, 5, 6, 7, 8] * 5 + [42]]
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
 
-    def run() -> list:
-        engine = Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="none")
+    def run(native_kernels: bool) -> list:
+        engine = Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="none", native_kernels=native_kernels)
+        assert engine.kernel_path.attention == ("native" if native_kernels else "torch")
+        assert engine.kernel_path.layer_ops == ("native" if native_kernels else "torch")
         try:
             outs = engine.generate(input_ids=prompts, params=params)
             return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
         finally:
             engine.shutdown()
 
-    with_native = run()
-    monkeypatch.setattr(native, "library", lambda: None)
-    without = run()
+    with_native = run(True)
+    without = run(False)
     for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(with_native, without):
         assert tokens_a == tokens_b
         torch.testing.assert_close(torch.tensor(logprobs_a), torch.tensor(logprobs_b), atol=1e-4, rtol=0)
@@ -270,12 +271,12 @@ def test_engine_tokens_and_logits_equal_with_and_without_native_kernels(tiny_lla
 
 def test_backend_plans_native_decode_only_for_decode_steps():
     meta = AttentionMetadata.build([10], [1], torch.arange(11), torch.tensor([10]), "cpu")
-    backend = TorchAttentionBackend()
+    backend = NativeCPUAttentionBackend()
     backend.begin_forward(meta)
-    assert backend._plan.native_lens is not None
+    assert backend._plan.lens is not None and not backend._plan.extend
     extend = AttentionMetadata.build([10], [3], torch.arange(13), torch.tensor([10, 11, 12]), "cpu")
     backend.begin_forward(extend)
-    assert backend._plan.native_lens is None and backend._plan.native_extend
+    assert backend._plan.lens is None and backend._plan.extend
 
 
 def test_wrappers_refuse_what_would_make_the_c_code_read_or_write_out_of_bounds():

@@ -90,7 +90,7 @@ def test_explicit_modes_quantize_an_fp_checkpoint(tiny_llama_dir, mode, bound):
 
 
 @pytest.mark.slow
-def test_smollm2_auto_runs_the_gguf_weights_in_their_own_types(monkeypatch):
+def test_smollm2_auto_runs_the_gguf_weights_in_their_own_types():
     """The embedded GGUF's linears are Q4_1 and its head Q8_0: auto runs them as they are on the
     native kernels (never decided by timing); the engine tracks the fp32 engine on the same
     dequantized weights, and cached == uncached."""
@@ -123,10 +123,10 @@ def test_smollm2_auto_runs_the_gguf_weights_in_their_own_types(monkeypatch):
         assert agree > 0.5  # greedy agreement with fp32 is measured on the workloads (BENCHMARKS.md)
         if eng.runner.model.layers[0].mlp.down_proj.native_q4 is not None:
             # 16-bit activations everywhere: the GGUF's own weights at fp32 accuracy, fp32's tokens
-            monkeypatch.setattr(quant, "LARGE_BATCH_ACTIVATION_BITS", 16)
-            assert eng.flush_cache()  # the cached K/V came from 8-bit activations
-            assert relative_error(eng.next_token_logits(ids), ref.next_token_logits(ids)) < 1e-3
-            assert [o.token_ids for o in eng.generate(messages=msgs, params=params)] == fp32
+            with Engine(kv_cache_tokens=8192, quantization="auto", activation_bits=16) as exact:
+                assert exact.kernel_path.activation_bits == 16 and eng.kernel_path.activation_bits == 8
+                assert relative_error(exact.next_token_logits(ids), ref.next_token_logits(ids)) < 1e-3
+                assert [o.token_ids for o in exact.generate(messages=msgs, params=params)] == fp32
 
 
 @pytest.mark.parametrize("dense_dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])

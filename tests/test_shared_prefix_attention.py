@@ -1,8 +1,9 @@
-"""Shared-prefix (cascade) attention in the torch backend equals plain per-request attention."""
+"""Shared-prefix (cascade) attention in the torch and native backends equals plain per-request attention."""
 
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -10,19 +11,25 @@ import torch
 from radix_backend.kernels import native
 from radix_backend.kernels import shared_prefix as sp
 from radix_backend.kernels.attention_base import AttentionMetadata
+from radix_backend.kernels.native_backend import NativeCPUAttentionBackend, NativePlan
 from radix_backend.kernels.torch_backend import TorchAttentionBackend
 
 HQ, HKV, D = 6, 2, 16
 
 
-@pytest.fixture(autouse=True, params=["native", "torch"])
+BACKENDS = {"native": NativeCPUAttentionBackend, "torch": TorchAttentionBackend}
+
+
+@pytest.fixture(autouse=True, params=list(BACKENDS))
 def decode_path(request, monkeypatch) -> str:
     """Every test runs with attention on the native kernels (read in place) and on torch ops."""
     if request.param == "native" and not native.available():
         pytest.skip("native CPU kernels unavailable (no C compiler)")
-    if request.param == "torch":
-        monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(sys.modules[__name__], "Backend", BACKENDS[request.param])
     return request.param
+
+
+Backend: type[TorchAttentionBackend] = TorchAttentionBackend  # set per test by `decode_path`
 
 
 def reference(q, k_cache, v_cache, slot_lists, prefix_lens, extend_lens, scale):
@@ -53,7 +60,7 @@ def run(slot_lists, prefix_lens, extend_lens, share=True, seed=0):
     out_slots = torch.tensor([s for slots, p in zip(slot_lists, prefix_lens) for s in slots[p:]])
     meta = AttentionMetadata.build(prefix_lens, extend_lens, torch.tensor([s for x in slot_lists for s in x]),
                                    out_slots, "cpu")
-    backend = TorchAttentionBackend(share_prefixes=share)
+    backend = Backend(share_prefixes=share)
     backend.begin_forward(meta)
     scale = 1 / math.sqrt(D)
     out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
@@ -78,7 +85,7 @@ def shared_batch(num_requests, shared, own, extend, contiguous=True, seed=0):
 def test_decode_with_a_shared_prefix_equals_reference(contiguous, decode_path):
     slots, prefix = shared_batch(5, shared=70, own=[0, 3, 9, 1, 40], extend=[1] * 5, contiguous=contiguous)
     out, ref, backend = run(slots, prefix, [1] * 5)
-    assert (backend._plan.native_lens is not None) == (decode_path == "native")
+    assert isinstance(backend._plan, NativePlan) == (decode_path == "native")
     assert len(backend._plan.groups) == 1 and backend._plan.groups[0].length == 70
     assert (backend._plan.groups[0].contiguous_start is not None) == contiguous
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
@@ -88,7 +95,7 @@ def test_extend_with_a_shared_prefix_equals_reference(decode_path):
     slots, prefix = shared_batch(4, shared=40, own=[4, 5, 2, 3], extend=[3, 2, 4, 3])
     out, ref, backend = run(slots, prefix, [3, 2, 4, 3])
     if decode_path == "native":  # one in-place call attends every request's whole context
-        assert backend._plan.native_extend and not backend._plan.groups
+        assert backend._plan.extend and not backend._plan.groups
     else:
         assert backend._plan.groups and backend._plan.padded
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
@@ -118,7 +125,7 @@ def test_ragged_extend_falls_back_to_per_request_and_stays_exact(decode_path):
     slots, prefix = shared_batch(3, shared=40, own=[0, 0, 0], extend=[1, 1, 120])
     out, ref, backend = run(slots, prefix, [1, 1, 120])
     if decode_path == "native":
-        assert backend._plan.native_extend
+        assert backend._plan.extend
     else:
         assert not backend._plan.padded and backend._plan.groups
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
@@ -140,6 +147,6 @@ def test_forward_without_begin_forward_plans_itself():
                                    torch.tensor([x[-1] for x in slots]), "cpu")
     cache = torch.randn(max(max(x) for x in slots) + 1, HKV, D, generator=gen)
     q, kv = torch.randn(3, HQ, D, generator=gen), torch.randn(3, HKV, D, generator=gen)
-    shared = TorchAttentionBackend().forward(q, kv, kv, cache.clone(), cache.clone(), meta, 0.25)
-    plain = TorchAttentionBackend(share_prefixes=False).forward(q, kv, kv, cache.clone(), cache.clone(), meta, 0.25)
+    shared = Backend().forward(q, kv, kv, cache.clone(), cache.clone(), meta, 0.25)
+    plain = Backend(share_prefixes=False).forward(q, kv, kv, cache.clone(), cache.clone(), meta, 0.25)
     torch.testing.assert_close(shared, plain, atol=2e-5, rtol=1e-4)

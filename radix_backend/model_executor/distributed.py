@@ -47,8 +47,6 @@ logger = logging.getLogger(__name__)
 
 # env of spawned workers (distinct from torchrun's RANK/WORLD_SIZE so the two modes never mix)
 ENV_RANK, ENV_WORLD, ENV_PORT = "RADIX_TP_RANK", "RADIX_TP_WORLD_SIZE", "RADIX_TP_PORT"
-FORWARD_TIMEOUT_S = float(os.environ.get("RADIX_TP_TIMEOUT_S", "300"))  # one collective inside a forward
-STARTUP_TIMEOUT_S = float(os.environ.get("RADIX_TP_STARTUP_TIMEOUT_S", "300"))  # workers import torch, load weights
 IDLE_TIMEOUT = timedelta(days=30)  # workers waiting for the next batch
 STOP_GRACE_S = 10.0
 GROUP_RELEASE_PAUSE_S = 0.1  # lets gloo's worker threads free the last work before the groups go
@@ -224,18 +222,20 @@ def _backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _init_groups(backend: str, rank: int, size: int, store=None) -> tuple[Any, Any]:
+def _init_groups(backend: str, rank: int, size: int, forward_timeout_s: float, store=None) -> tuple[Any, Any]:
     kwargs = {"store": store, "rank": rank, "world_size": size} if store is not None else {}
-    dist.init_process_group(backend, timeout=timedelta(seconds=FORWARD_TIMEOUT_S), **kwargs)
+    dist.init_process_group(backend, timeout=timedelta(seconds=forward_timeout_s), **kwargs)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return dist.group.WORLD, control
 
 
-def init_tensor_parallel(tp_size: int, device: torch.device, worker_args: dict[str, Any]) -> TensorParallel:
+def init_tensor_parallel(tp_size: int, device: torch.device, worker_args: dict[str, Any], *,
+                         forward_timeout_s: float, startup_timeout_s: float) -> TensorParallel:
     """Join (torchrun, spawned worker) or create (rank 0, spawning ranks 1..N-1) the TP group.
 
     `worker_args` ({"model": checkpoint path, "config": EngineConfig fields}) tells spawned
-    workers how to build their own ModelRunner.
+    workers how to build their own ModelRunner. `forward_timeout_s` bounds one collective inside a
+    forward; `startup_timeout_s` the workers' start (they import torch and load weights).
     """
     if ENV_RANK in os.environ:  # we are a worker spawned by rank 0
         rank, size = int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD])
@@ -243,9 +243,9 @@ def init_tensor_parallel(tp_size: int, device: torch.device, worker_args: dict[s
             raise ValueError(f"worker started for world size {size} but tp_size={tp_size}")
         device = _resolve_rank_device(device, rank)
         store = dist.TCPStore("127.0.0.1", int(os.environ[ENV_PORT]), size, is_master=False,
-                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+                              timeout=timedelta(seconds=startup_timeout_s))
         store.set(f"radix_tp/hello/{rank}", "1")
-        group, control = _init_groups(_backend_for(device), rank, size, store)
+        group, control = _init_groups(_backend_for(device), rank, size, forward_timeout_s, store)
         return TensorParallel(rank, size, device, group, control)
     if launched_by_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -258,19 +258,20 @@ def init_tensor_parallel(tp_size: int, device: torch.device, worker_args: dict[s
                 raise ValueError("torch.distributed is already initialised with another world size")
             control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
             return TensorParallel(rank, size, device, dist.group.WORLD, control)
-        group, control = _init_groups(_backend_for(device), rank, size)
+        group, control = _init_groups(_backend_for(device), rank, size, forward_timeout_s)
         return TensorParallel(rank, size, device, group, control)
-    return _spawn_workers(tp_size, device, worker_args)
+    return _spawn_workers(tp_size, device, worker_args, forward_timeout_s, startup_timeout_s)
 
 
-def _spawn_workers(tp_size: int, device: torch.device, worker_args: dict[str, Any]) -> TensorParallel:
+def _spawn_workers(tp_size: int, device: torch.device, worker_args: dict[str, Any], forward_timeout_s: float,
+                   startup_timeout_s: float) -> TensorParallel:
     if dist.is_initialized():
         raise TensorParallelError(
             "torch.distributed is already initialised in this process (another tensor-parallel Engine?); "
             "shut that engine down first: one tensor-parallel engine per process")
     device = _resolve_rank_device(device, 0)
     store = dist.TCPStore("127.0.0.1", 0, tp_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+                          timeout=timedelta(seconds=startup_timeout_s))
     threads = max(1, torch.get_num_threads() // tp_size) if device.type == "cpu" else torch.get_num_threads()
     args = json.dumps({**worker_args, "tp_size": tp_size, "threads": threads})
     workers = []
@@ -280,8 +281,8 @@ def _spawn_workers(tp_size: int, device: torch.device, worker_args: dict[str, An
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(key, None)
             workers.append(subprocess.Popen([sys.executable, "-m", "radix_backend.model_executor.tp_worker", args], env=env))
-        _wait_for_hello(store, workers)
-        group, control = _init_groups(_backend_for(device), 0, tp_size, store)
+        _wait_for_hello(store, workers, startup_timeout_s)
+        group, control = _init_groups(_backend_for(device), 0, tp_size, forward_timeout_s, store)
     except BaseException:
         for proc in workers:
             proc.kill()
@@ -292,15 +293,15 @@ def _spawn_workers(tp_size: int, device: torch.device, worker_args: dict[str, An
     return tp
 
 
-def _wait_for_hello(store, workers: list[subprocess.Popen]) -> None:
+def _wait_for_hello(store, workers: list[subprocess.Popen], timeout_s: float) -> None:
     """Wait until every worker reached the store, failing fast if one exits first."""
     keys = [f"radix_tp/hello/{rank}" for rank in range(1, len(workers) + 1)]
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         for rank, proc in enumerate(workers, start=1):
             if proc.poll() is not None:
                 raise TensorParallelError(f"tensor-parallel rank {rank} exited with code {proc.returncode} "
                                           "while starting; see its output above")
         if time.monotonic() > deadline:
-            raise TensorParallelError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            raise TensorParallelError(f"tensor-parallel workers did not start within {timeout_s:.0f} s")
         time.sleep(0.05)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radix_backend.kernels import AttentionMetadata, create_attention_backend, native
+from radix_backend.kernels import AttentionMetadata, create_attention_backend, native, settings
+from radix_backend.kernels.ops import triton_available
 
 from ..mem_cache.kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
 from .loader import Checkpoint, iter_weights
@@ -22,7 +23,7 @@ from ..models import build_model
 from ..models.gguf_weights import build_gguf_model
 from ..models.llama import TPShard, check_tp_divisible
 from ..config import DTYPE_NAMES, TORCH_DTYPES, EngineConfig
-from .quantize import QuantizationReport, default_quantization, gguf_report, native_blocker, quantize_model
+from .quantize import QuantizationReport, gguf_report, native_blocker, quantize_model
 
 if TYPE_CHECKING:
     from .distributed import TensorParallel
@@ -37,6 +38,20 @@ CPU_DEFAULT_KV_FRACTION = 0.2
 # one 28 MB matmul, 4.1-4.5 ms on one thread and 2.6-2.8 ms on two, so it runs on all of them.
 SINGLE_THREAD_MAX_TOKENS = 4
 CPU_MAX_DEFAULT_KV_TOKENS = 131072
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """What runs this model, decided once when it loads (logged; `Engine.kernel_path`)."""
+
+    device: str
+    dtype: str
+    attention: str  # the attention backend: native, torch, triton or flashinfer
+    layer_ops: str  # RMSNorm, RoPE, SiLU: native, triton or torch
+    linears: str  # the quantization mode and why
+    decode_stack: bool  # small decode steps run every layer in one native call
+    cuda_graph: bool
+    activation_bits: int  # of the native low-bit linears above 16 rows (16 below)
 
 
 @dataclass
@@ -90,10 +105,15 @@ class ModelRunner:
 
             worker_config = config.replace(device=self.device.type, dtype=str(self.dtype).removeprefix("torch."))
             self.tp = init_tensor_parallel(config.tp_size, self.device,
-                                           {"model": str(checkpoint.path), "config": worker_config.as_dict()})
+                                           {"model": str(checkpoint.path), "config": worker_config.as_dict()},
+                                           forward_timeout_s=config.tp_timeout_s,
+                                           startup_timeout_s=config.tp_startup_timeout_s)
             self.device = self.tp.device
+        self.kernel_settings = settings.KernelSettings(native=config.native_kernels, triton_ops=config.triton_ops,
+                                                       large_batch_activation_bits=config.activation_bits)
         try:
-            self._build(checkpoint, config)
+            with settings.active(self.kernel_settings):  # the linears pick their kernels while built
+                self._build(checkpoint, config)
         except BaseException as exc:
             if self.tp is not None:
                 self.tp.mark_broken(f"building the model failed: {exc}")
@@ -103,15 +123,18 @@ class ModelRunner:
         cuda_graph = config.cuda_graph
         if cuda_graph is None:  # auto: hide Triton's launch overhead on CUDA
             cuda_graph = self.device.type == "cuda" and self.attention_backend.name == "triton" and self.tp is None
-        if cuda_graph:
-            self._init_graph_runner(config.max_running_requests)
+        with settings.active(self.kernel_settings):
+            if cuda_graph:
+                self._init_graph_runner(config.max_running_requests)
+            self.kernel_path = self._kernel_path()
+        logger.info("kernel path: %s", self.kernel_path)
         if self.tp is not None and self.tp.rank != 0:
             self._serve_rank0()
             raise SystemExit(0)
 
     def _build(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
         shard = TPShard(self.tp.rank, self.tp.size, self.tp.all_reduce) if self.tp is not None else None
-        mode = config.quantization or default_quantization()
+        mode = config.quantization
         tp_size = self.tp.size if self.tp else 1
         if (checkpoint.gguf is not None and mode == "auto" and native.available()
                 and native_blocker(self.device, self.dtype, tp_size) is None):
@@ -135,9 +158,20 @@ class ModelRunner:
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(pool_cfg.num_layers)]
         self.attention_backend = create_attention_backend(config.attention_backend, self.device,
                                                           page_size=config.page_size)
-        logger.info("model on %s/%s, %d KV slots, attention=%s, tp_size=%d, native CPU kernels %s", self.device,
-                    self.dtype, num_slots, self.attention_backend.name, self.tp.size if self.tp else 1,
-                    "on" if self.device.type == "cpu" and native.available() else "off")
+        logger.info("model on %s/%s, %d KV slots, tp_size=%d", self.device, self.dtype, num_slots,
+                    self.tp.size if self.tp else 1)
+
+    def _kernel_path(self) -> KernelPath:
+        if self.device.type == "cpu":
+            layer_ops = "native" if native.available() and self.dtype == torch.float32 else "torch"
+        else:
+            layer_ops = "triton" if settings.current().triton_ops and triton_available() else "torch"
+        report = self.quantization
+        return KernelPath(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                          attention=self.attention_backend.name, layer_ops=layer_ops,
+                          linears=f"{report.mode} ({report.reason})", decode_stack=report.decode_stack,
+                          cuda_graph=self.graph_runner is not None,
+                          activation_bits=settings.current().large_batch_activation_bits)
 
     def _init_graph_runner(self, max_batch_size: int) -> None:
         """Capture the decode step per batch size (eagerly padded on CPU, which is how it is tested)."""
@@ -186,6 +220,10 @@ class ModelRunner:
 
     def forward_local(self, batch: ForwardInput) -> torch.Tensor:
         """This process's part of the forward (all of it without tensor parallelism)."""
+        with settings.active(self.kernel_settings):
+            return self._forward_on_threads(batch)
+
+    def _forward_on_threads(self, batch: ForwardInput) -> torch.Tensor:
         threads = torch.get_num_threads()
         if (self.device.type != "cpu" or threads == 1 or len(batch.input_ids) > SINGLE_THREAD_MAX_TOKENS
                 or threading.current_thread() is threading.main_thread()):

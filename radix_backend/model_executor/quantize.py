@@ -17,7 +17,6 @@ Modes (`Engine(quantization=...)`, `--quantization`):
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -45,12 +44,6 @@ class QuantizationReport:
     dense_dtype: torch.dtype | None = None  # of the dense copy large batches run on (None: no quantization)
     decode_stack: bool = False  # small decode steps run every layer in one native call
     kernels: dict[str, dict[str, int]] | None = None  # "gguf": {ggml type: {kernel: tensors}}
-
-
-def default_quantization() -> str:
-    """"auto", unless the environment variable RADIX_BACKEND_QUANTIZATION names another mode (the test
-    suite sets "none" so its HF-parity tests run the reference path; quantized tests say so)."""
-    return validate_mode(os.environ.get("RADIX_BACKEND_QUANTIZATION", "auto"))
 
 
 def validate_mode(mode: str) -> str:
@@ -101,7 +94,7 @@ def _decide(model: nn.Module, mode: str, from_gguf: bool,
         return QuantizationReport(mode, f"quantization={mode!r}"), {}
     if from_gguf:
         return QuantizationReport("none", "auto: the GGUF's own types need the native CPU kernels, which are "
-                                          "not available here (no C compiler, or RADIX_BACKEND_NATIVE=0)"), {}
+                                          "not available here (no C compiler, or native_kernels off)"), {}
     return QuantizationReport("none", "auto: fp checkpoint (pass quantization='int8' or 'int4' to quantize it)"), {}
 
 

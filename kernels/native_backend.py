@@ -1,0 +1,110 @@
+"""Native CPU attention backend: the torch backend's plan, with our C kernels reading the pool in place.
+
+On the CPU with fp32 K/V the native kernels (`native.py`) replace the torch path's gathers and
+products: decode steps attend each request's remainder with them (a prefix several requests share
+is still attended once, by the extend kernel, and merged), and extends attend every request's
+whole context in one call (no shared-prefix pass: the kernel loads each block of keys once for a
+tile of query rows, so a shared prefix costs the same arithmetic as the torch path's shared
+product, without its gathers). A batch the kernels cannot take (a bf16 pool, a head size they do
+not handle) runs the torch path, which stays the reference they are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import native
+from . import shared_prefix as sp
+from .attention_base import AttentionMetadata
+from .torch_backend import Plan, TorchAttentionBackend
+
+# Native decode steps over at least this many keys in all split their requests over the intra-op
+# threads (csrc/thread_pool.c). Alone, two threads gain from a few hundred keys on (2-core EPYC, us
+# per layer, 1 vs 2 threads: 4 requests x 100 keys 43 vs 24, 32 x 40 185 vs 75, 32 x 150 699 vs
+# 348), but inside a per-layer decode step they meet torch's OpenMP threads, which still spin after
+# each GEMM: a 32-request step over 3,200 keys took 82-90 ms with a 256-key bound against 66-72 ms
+# with this one (three alternating rounds).
+NATIVE_THREADED_KEYS = 4096
+
+
+@dataclass
+class NativePlan(Plan):
+    """An extend (every request's new tokens against its whole context, one call), or a decode step:
+    request i's remainder is kv_indices[starts[i]:][:lens[i]], its shared prefix in `groups`."""
+
+    extend: bool = False
+    starts: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    threads: int = 1
+
+
+class NativeCPUAttentionBackend(TorchAttentionBackend):
+    name = "native"
+
+    def native_decode_slots(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        plan = self._plan
+        if self._plan_meta is not meta or not isinstance(plan, NativePlan) or plan.extend or plan.groups:
+            return None
+        return plan.starts, plan.lens
+
+    # ---- planning ---------------------------------------------------------------------------
+    def _build_plan(self, meta: AttentionMetadata) -> Plan:
+        if not self._reads_slot_table(meta):
+            return super()._build_plan(meta)
+        if not meta.is_decode:
+            return NativePlan(extend=True)
+        layout = self._shared_layout(meta)
+        starts = [layout.kv_ptr[i] + layout.shared[i] for i in range(len(layout.rest_lens))]
+        threads = torch.get_num_threads() if sum(layout.rest_lens) >= NATIVE_THREADED_KEYS else 1
+        return NativePlan(layout.groups, layout.group_rows, starts=torch.tensor(starts, dtype=torch.int64),
+                          lens=torch.tensor(layout.rest_lens, dtype=torch.int64), threads=threads)
+
+    @staticmethod
+    def _reads_slot_table(meta: AttentionMetadata) -> bool:
+        """The native kernels can read this batch's slot table (CPU, int64, contiguous)."""
+        return (meta.kv_indices.device.type == "cpu" and meta.kv_indices.dtype == torch.int64
+                and meta.kv_indices.is_contiguous() and native.available())
+
+    @staticmethod
+    def _reads_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: NativePlan) -> bool:
+        """The native kernels can read this layer's pool (fp32, contiguous) at this head size."""
+        return (native.supports(q, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and (native.extend_attention_dim_ok(q.shape[-1]) or not plan.extend))
+
+    # ---- attention --------------------------------------------------------------------------
+    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: Plan, planned: bool,
+                scale: float) -> torch.Tensor:
+        if not isinstance(plan, NativePlan):
+            return super()._attend(q, k, v, k_cache, v_cache, meta, plan, planned, scale)
+        if not self._reads_pool(q, k_cache, v_cache, plan):
+            plan = super()._build_plan(meta)  # e.g. a bf16 pool: the torch path
+            if planned:
+                self._plan = plan
+            return super()._attend(q, k, v, k_cache, v_cache, meta, plan, planned, scale)
+        if plan.extend:
+            out, _ = native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1],
+                                             meta.extend_lens, meta.kv_indptr[:-1], meta.seq_lens, scale,
+                                             causal=True, threads=torch.get_num_threads())
+            return out
+        out, lse = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, plan.starts, plan.lens, scale,
+                                           with_lse=bool(plan.groups), threads=plan.threads)
+        if not plan.groups:
+            return out
+        tokens, hq, dim = q.shape
+        hkv = k_cache.shape[1]
+        out, lse = out.view(tokens, hkv, hq // hkv, dim), lse.view(tokens, hkv, hq // hkv, 1)
+        return self._merge_shared(q, out, lse, k_cache, v_cache, plan, scale)
+
+    def _shared_prefix_attention(self, qr, k_cache, v_cache, group: sp.SharedPrefix, plan: Plan, scale: float):
+        """The group's queries as one request that sees all of the prefix (not causal), through the
+        extend kernel, read from the pool in place."""
+        r, hkv, g, dim = qr.shape
+        if not (isinstance(plan, NativePlan) and native.extend_attention_dim_ok(dim)):
+            return super()._shared_prefix_attention(qr, k_cache, v_cache, group, plan, scale)
+        zero, count, length = torch.zeros(1, dtype=torch.int64), torch.tensor([r]), torch.tensor([group.length])
+        out_p, lse_p = native.extend_attention(qr.reshape(r, hkv * g, dim), k_cache, v_cache, group.slots, zero,
+                                               count, zero, length, scale, causal=False, with_lse=True,
+                                               threads=torch.get_num_threads())
+        return out_p.view(r, hkv, g, dim), lse_p.view(r, hkv, g, 1)
