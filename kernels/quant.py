@@ -21,8 +21,8 @@ and fp32 elsewhere (`dense_dtype_for_large_batches`).
 
 `q4_1_codes` derives Q4_1 codes from dequantized weights. llama.cpp's Q4_1 quantizer sets
 m = block min and d = (max - min) / 15 (rounded to fp16), so a weight dequantized from Q4_1 is
-re-derived exactly; `exact` reports whether the round trip reproduced every weight bit for bit,
-which is how the loader knows it may run a GGUF model in its own precision.
+re-derived exactly; `exact` reports whether the round trip reproduced every weight bit for bit
+(the int4 mode's `lossless`: on a Q4_1 file's dequantized weights the codes are the file's own).
 """
 
 from __future__ import annotations
