@@ -18,9 +18,9 @@ from ..outputs import GenerateOutput
 from ..sampling_params import sglang_sampling_params
 from ..sglang_meta import (finished_meta, LogprobEntry, LogprobOptions, prompt_logprob_pairs, prompt_logprob_split,
                            StreamMeta)
-from .jobs import chunk_as_output, Job, run_jobs
+from .jobs import Job, run_jobs
 from .state import ServerState
-from .streaming import iterate_streams, open_streams, sse_event, sse_response
+from .streaming import open_streams, sse_event
 from .metrics import RequestTracker
 from .protocol import GenerateReqInput
 
@@ -127,25 +127,17 @@ async def _stream_sglang(state: ServerState, jobs: list[Job], specs: list[_Logpr
     """SGLang's stream: `data: {"text", "output_ids", "meta_info"}` events, then [DONE]. Text and ids
     are cumulative, or only the new part with `incremental` (SGLang's --incremental-streaming-output);
     meta_info is `StreamMeta`'s."""
-    streams, first = await open_streams(state, jobs, tracker)
-    finals: list[GenerateOutput | None] = [None] * len(jobs)
+    session = await open_streams(state, jobs, tracker)
     metas = []
     for job, spec in zip(jobs, specs):
         options = _logprob_options(state, spec)
         metas.append(StreamMeta(job.rid, options, incremental, await _input_logprobs(state, job, spec, options)))
 
     async def events() -> AsyncGenerator[str, None]:
-        texts = [""] * len(jobs)
-        ids: list[list[int]] = [[] for _ in jobs]
-        async for i, chunk in iterate_streams(streams, first):
-            tracker.tokens(len(chunk.token_ids))
-            texts[i] += chunk.text
-            ids[i] += chunk.token_ids
-            if chunk.finish_reason is not None:
-                finals[i] = chunk_as_output(chunk, texts[i], ids[i])
+        async for i, chunk in session.chunks():
             info = metas[i].update(chunk)
-            text = chunk.text if incremental else texts[i]
-            out_ids = list(chunk.token_ids) if incremental else ids[i]
+            text = chunk.text if incremental else session.texts[i]
+            out_ids = list(chunk.token_ids) if incremental else session.ids[i]
             yield sse_event({"text": text, "output_ids": out_ids, "meta_info": info, "index": specs[i].index})
 
-    return sse_response(events(), streams, tracker, finals, jobs)
+    return session.response(events())

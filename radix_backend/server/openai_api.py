@@ -15,12 +15,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ..errors import InvalidRequestError
-from ..outputs import GenerateOutput, TokenLogprob
+from ..outputs import TokenLogprob
 from ..sampling_params import SamplingParams
 from ..tool_calls import with_system_text
-from .jobs import chunk_as_output, Job, run_jobs, usage_info
+from .jobs import Job, run_jobs, usage_info
 from .state import ServerState, TokenText
-from .streaming import iterate_streams, open_streams, sse_event, sse_response
+from .streaming import open_streams, sse_event
 from .metrics import RequestTracker
 from .tools import tool_plan, tool_reply
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -185,44 +185,35 @@ def _chat_logprobs(lps: list[TokenLogprob] | None, tok: TokenText) -> ChoiceLogp
 
 async def _stream_completion(state: ServerState, jobs: list[Job], model: str, req: CompletionRequest, echo: list[str],
                              tracker: RequestTracker) -> StreamingResponse:
-    streams, first = await open_streams(state, jobs, tracker)
+    session = await open_streams(state, jobs, tracker)
     rid, created = new_id("cmpl"), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    finals: list[GenerateOutput | None] = [None] * len(jobs)
 
     async def events() -> AsyncGenerator[str, None]:
-        texts = [""] * len(jobs)
-        ids: list[list[int]] = [[] for _ in jobs]
         offsets = [len(e) for e in echo]
         for i, e in enumerate(echo):
             if e:
                 yield sse_event(CompletionStreamResponse(id=rid, created=created, model=model,
                                                     choices=[CompletionChoice(index=i, text=e)]))
-        async for i, chunk in iterate_streams(streams, first):
-            tracker.tokens(len(chunk.token_ids))
-            texts[i] += chunk.text
-            ids[i] += chunk.token_ids
-            lps = _completion_logprobs(getattr(chunk, "logprobs", None), state.tok, offsets[i]) \
-                if req.logprobs is not None else None
+        async for i, chunk in session.chunks():
+            lps = _completion_logprobs(chunk.logprobs, state.tok, offsets[i]) if req.logprobs is not None else None
             offsets[i] += len(chunk.text)
-            if chunk.finish_reason is not None:
-                finals[i] = chunk_as_output(chunk, texts[i], ids[i])
             if chunk.text or chunk.finish_reason is not None:
                 choice = CompletionChoice(index=i, text=chunk.text, logprobs=lps,
                                           finish_reason=_openai_finish(chunk.finish_reason))
                 yield sse_event(CompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
         if include_usage:
             yield sse_event(CompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                usage=usage_info(finals, [j.group for j in jobs])))
+                                                     usage=session.usage()))
 
-    return sse_response(events(), streams, tracker, finals, jobs)
+    return session.response(events())
 
 
 async def _stream_chat(state: ServerState, jobs: list[Job], model: str, req: ChatCompletionRequest,
                        tracker: RequestTracker, with_tools: bool = False) -> StreamingResponse:
     """Chat chunks as they come; with tools, a choice's text is held back until it finishes and then
     sent as one delta of tool_calls (or of content, when the model answered in text)."""
-    streams, first = await open_streams(state, jobs, tracker)
+    session = await open_streams(state, jobs, tracker)
     rid, created = new_id("chatcmpl"), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -230,30 +221,22 @@ async def _stream_chat(state: ServerState, jobs: list[Job], model: str, req: Cha
         choice = ChatCompletionStreamChoice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)
         return sse_event(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[choice]))
 
-    finals: list[GenerateOutput | None] = [None] * len(jobs)
-
     async def events() -> AsyncGenerator[str, None]:
-        texts = [""] * len(jobs)
-        ids: list[list[int]] = [[] for _ in jobs]
         for i in range(len(jobs)):
             yield event(i, DeltaMessage(role="assistant", content=""))
-        async for i, chunk in iterate_streams(streams, first):
-            tracker.tokens(len(chunk.token_ids))
-            texts[i] += chunk.text
-            ids[i] += chunk.token_ids
+        async for i, chunk in session.chunks():
             lps = _chat_logprobs(chunk.logprobs, state.tok) if req.logprobs else None
             if chunk.text and not with_tools:
                 yield event(i, DeltaMessage(content=chunk.text), logprobs=lps)
                 lps = None
             if chunk.finish_reason is not None:  # a textless last token (EOS) keeps its logprob, as unstreamed
-                finals[i] = chunk_as_output(chunk, texts[i], ids[i])
                 finish = _openai_finish(chunk.finish_reason)
                 if with_tools:
-                    message, finish = tool_reply(texts[i], finish)
+                    message, finish = tool_reply(session.texts[i], finish)
                     yield event(i, DeltaMessage(content=message.content, tool_calls=message.tool_calls))
                 yield event(i, DeltaMessage(), finish=finish, logprobs=lps)
         if include_usage:
             yield sse_event(ChatCompletionStreamResponse(id=rid, created=created, model=model, choices=[],
-                                                    usage=usage_info(finals, [j.group for j in jobs])))
+                                                         usage=session.usage()))
 
-    return sse_response(events(), streams, tracker, finals, jobs)
+    return session.response(events())

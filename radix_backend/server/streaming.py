@@ -1,5 +1,6 @@
-"""Streaming jobs as server-sent events: `open_streams` starts them, `iterate_streams` merges their
-chunks, `sse_response` sends the events and closes the streams."""
+"""Streaming jobs as server-sent events: `open_streams` starts them as a `StreamSession`, whose
+`chunks()` merges their chunks (keeping each choice's text, ids and final output) and whose
+`response()` sends the events and closes the streams."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..engine_like import EngineLike
 from ..outputs import GenerateOutput, StreamChunk
 from .metrics import RequestTracker
 from .http_errors import error_response
-from .jobs import Job, usage_info
+from .jobs import Job, chunk_as_output, usage_info
 from .state import ServerState
 
 
@@ -84,8 +85,38 @@ def sse_event(payload: Any) -> str:
     return f"data: {body}\n\n"
 
 
-async def open_streams(state: ServerState, jobs: list[Job],
-                       tracker: RequestTracker) -> tuple[MergedStreams, tuple[int, StreamChunk] | None]:
+class StreamSession:
+    """One streamed request's jobs: their merged chunks, each choice's text and token ids so far,
+    and its output once it finishes (`finals`, for the usage)."""
+
+    def __init__(self, streams: MergedStreams, first: tuple[int, StreamChunk] | None, tracker: RequestTracker,
+                 jobs: Sequence[Job]) -> None:
+        self.streams, self._first, self.tracker, self.jobs = streams, first, tracker, jobs
+        self.texts = [""] * len(jobs)
+        self.ids: list[list[int]] = [[] for _ in jobs]
+        self.finals: list[GenerateOutput | None] = [None] * len(jobs)
+
+    async def chunks(self) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """(choice index, chunk) as they come; `texts`, `ids` and `finals` already hold the chunk."""
+        item = self._first
+        while item is not None:
+            i, chunk = item
+            self.tracker.tokens(len(chunk.token_ids))
+            self.texts[i] += chunk.text
+            self.ids[i] += chunk.token_ids
+            if chunk.finish_reason is not None:
+                self.finals[i] = chunk_as_output(chunk, self.texts[i], self.ids[i])
+            yield item
+            item = await self.streams.next()
+
+    def usage(self):
+        return usage_info(self.finals, [j.group for j in self.jobs])
+
+    def response(self, events: AsyncGenerator[str, None]) -> StreamingResponse:
+        return sse_response(events, self.streams, self.tracker, self.finals, self.jobs)
+
+
+async def open_streams(state: ServerState, jobs: list[Job], tracker: RequestTracker) -> StreamSession:
     """Start the streams and wait for the first chunk, so submit-time errors (bad schema, prompt
     too long) still become 4xx responses instead of a broken event stream (and leave no gauge raised)."""
     streams = MergedStreams(state.engine, jobs)
@@ -95,14 +126,7 @@ async def open_streams(state: ServerState, jobs: list[Job],
         streams.close()
         tracker.finish()
         raise
-    return streams, first
-
-
-async def iterate_streams(streams: MergedStreams, first: tuple[int, StreamChunk] | None) -> AsyncIterator[tuple[int, StreamChunk]]:
-    item = first
-    while item is not None:
-        yield item
-        item = await streams.next()
+    return StreamSession(streams, first, tracker, jobs)
 
 
 def _stream_error_event(exc: BaseException) -> str:
