@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -188,6 +189,28 @@ _SGLANG_REFUSED_KEYS = {  # key -> what is not supported (a 400 when set to anyt
     "watermark": "watermarking",
 }
 _warned: set[str] = set()
+
+
+_SGLANG_WIRE_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                       "presence_penalty", "repetition_penalty", "min_new_tokens", "stop", "stop_token_ids",
+                       "stop_regex", "ignore_eos", "skip_special_tokens", "regex", "seed")
+
+
+def to_sglang_sampling_params(p: SamplingParams) -> dict[str, Any]:
+    """SGLang's `sampling_params` dict for `p` (the inverse of `sglang_sampling_params`; the
+    json_schema goes as a JSON string, a grammar as `ebnf`)."""
+    out = {k: getattr(p, k) for k in _SGLANG_WIRE_FIELDS}
+    out = {k: v for k, v in out.items() if v is not None and v != []}
+    if p.json_schema is not None:
+        schema = p.json_schema
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+            schema = schema.model_json_schema()
+        out["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
+    if p.grammar is not None:
+        out["ebnf"] = p.grammar
+    if p.choices is not None:
+        out["choices"] = p.choices
+    return out
 
 
 def sglang_sampling_params(raw: dict[str, Any] | None) -> tuple[SamplingParams, int]:

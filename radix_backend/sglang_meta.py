@@ -129,3 +129,29 @@ class StreamMeta:
                 info[key] = items if self.incremental else list(so_far)
             info["output_token_logprobs_length"] = len(self.logprobs["output_token_logprobs"])
         return info
+
+
+def finish_from_sglang(meta: dict[str, Any]) -> tuple[str, Any]:
+    """(finish reason, matched stop) of a meta_info's `finish_reason` (the inverse of `sglang_finish_reason`)."""
+    fr = meta.get("finish_reason") or {}
+    if isinstance(fr, str):
+        return fr, None
+    return fr.get("type", "stop"), fr.get("matched")
+
+
+def output_from_sglang(obj: dict[str, Any]) -> GenerateOutput:
+    """A GenerateOutput from one `/generate` result (`text`, `output_ids`, `meta_info`): what
+    `finished_meta` wrote, read back (SGLang's client reads the same keys)."""
+    meta = obj.get("meta_info", {})
+    reason, matched = finish_from_sglang(meta)
+    lps = meta.get("output_token_logprobs")
+    return GenerateOutput(
+        text=obj.get("text", ""),
+        token_ids=list(obj.get("output_ids") or []),
+        finish_reason=reason,  # type: ignore[arg-type]
+        meta=RequestMeta(prompt_tokens=meta.get("prompt_tokens") or 0, cached_tokens=meta.get("cached_tokens") or 0,
+                         completion_tokens=meta.get("completion_tokens") or 0,
+                         total_time_s=meta.get("e2e_latency") or 0.0, matched_stop=matched),
+        logprobs=[TokenLogprob(token_id=e[1], logprob=e[0]) for e in lps] if lps else None,
+        request_id=str(meta.get("id") or ""),
+    )

@@ -131,3 +131,26 @@ def test_streamed_logprobs_cumulative_or_incremental(url, incremental):
         assert events[-1]["text"] == final["text"]
     assert [e[1] for e in got] == [e[1] for e in final["meta_info"]["output_token_logprobs"]]
     assert [e[0] for e in got] == pytest.approx([e[0] for e in final["meta_info"]["output_token_logprobs"]], abs=1e-4)
+
+
+def test_the_sglang_wire_format_round_trips():
+    """What the DSL's RuntimeEndpoint sends is what the server reads back, and what the server's
+    /generate writes is what RuntimeEndpoint reads: one encoder beside each decoder."""
+    from radix_backend.outputs import GenerateOutput, RequestMeta, TokenLogprob
+    from radix_backend.sampling_params import SamplingParams, sglang_sampling_params, to_sglang_sampling_params
+    from radix_backend.sglang_meta import LogprobOptions, finished_meta, output_from_sglang
+
+    params = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, stop=["\n"], stop_token_ids=[3],
+                            min_new_tokens=1, ignore_eos=True, seed=11, json_schema={"type": "object"})
+    decoded, n = sglang_sampling_params(to_sglang_sampling_params(params))
+    assert n == 1 and decoded.json_schema == '{"type": "object"}'
+    assert decoded.copy(json_schema=params.json_schema) == params
+    out = GenerateOutput(text="hi", token_ids=[5, 6], finish_reason="stop",
+                         meta=RequestMeta(prompt_tokens=4, cached_tokens=2, completion_tokens=2, matched_stop="\n"),
+                         logprobs=[TokenLogprob(5, -0.5), TokenLogprob(6, -1.5)])
+    wire = {"text": out.text, "output_ids": out.token_ids,
+            "meta_info": finished_meta(out, "rid-1", LogprobOptions(return_logprob=True))}
+    back = output_from_sglang(wire)
+    assert (back.text, back.token_ids, back.finish_reason, back.request_id) == ("hi", [5, 6], "stop", "rid-1")
+    assert (back.meta.prompt_tokens, back.meta.cached_tokens, back.meta.matched_stop) == (4, 2, "\n")
+    assert [(lp.token_id, lp.logprob) for lp in back.logprobs] == [(5, -0.5), (6, -1.5)]

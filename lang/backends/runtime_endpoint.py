@@ -16,60 +16,17 @@ from typing import Any
 
 from radix_backend.errors import (ConstraintError, EngineShutdownError, InvalidRequestError, MissingDependencyError,
                                   PromptTooLongError, RadixBackendError)
-from radix_backend.outputs import ChoiceScore, GenerateOutput, RequestMeta, StreamChunk, TokenLogprob
-from radix_backend.sampling_params import SamplingParams
+from radix_backend.outputs import ChoiceScore, GenerateOutput, StreamChunk, TokenLogprob
+from radix_backend.sampling_params import SamplingParams, to_sglang_sampling_params
+from radix_backend.sglang_meta import finish_from_sglang, output_from_sglang
 
 from ..chat_template import ChatTemplate, chatml, from_renderer
 from .base import BaseBackend
 
 logger = logging.getLogger(__name__)
 
-_PARAM_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "ignore_eos",
-                 "skip_special_tokens", "regex", "seed")
-
-
 class RuntimeEndpointError(RadixBackendError, ConnectionError):
     """The server could not be reached or answered with a server-side failure."""
-
-
-def sampling_params_to_json(p: SamplingParams) -> dict[str, Any]:
-    """SGLang's `sampling_params` dict for a SamplingParams (json_schema sent as a JSON string)."""
-    out: dict[str, Any] = {k: getattr(p, k) for k in _PARAM_FIELDS}
-    out = {k: v for k, v in out.items() if v is not None and v != []}
-    if p.json_schema is not None:
-        schema = p.json_schema
-        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
-            schema = schema.model_json_schema()
-        out["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
-    if p.grammar is not None:
-        out["ebnf"] = p.grammar
-    if p.choices is not None:
-        out["choices"] = p.choices
-    return out
-
-
-def _finish(meta: dict[str, Any]) -> tuple[str, Any]:
-    fr = meta.get("finish_reason") or {}
-    if isinstance(fr, str):
-        return fr, None
-    return fr.get("type", "stop"), fr.get("matched")
-
-
-def _output(obj: dict[str, Any]) -> GenerateOutput:
-    meta = obj.get("meta_info", {})
-    reason, matched = _finish(meta)
-    lps = meta.get("output_token_logprobs")
-    return GenerateOutput(
-        text=obj.get("text", ""),
-        token_ids=list(obj.get("output_ids") or []),
-        finish_reason=reason,  # type: ignore[arg-type]
-        meta=RequestMeta(prompt_tokens=meta.get("prompt_tokens") or 0, cached_tokens=meta.get("cached_tokens") or 0,
-                         completion_tokens=meta.get("completion_tokens") or 0,
-                         total_time_s=meta.get("e2e_latency") or 0.0, matched_stop=matched),
-        logprobs=[TokenLogprob(token_id=e[1], logprob=e[0]) for e in lps] if lps else None,
-        request_id=str(meta.get("id") or ""),
-    )
 
 
 class RuntimeEndpoint(BaseBackend):
@@ -168,19 +125,19 @@ class RuntimeEndpoint(BaseBackend):
         return from_renderer(render, name=str(self.model_info.get("served_model_name") or "server"))
 
     def generate(self, prompts: list[str], params: list[SamplingParams]) -> list[GenerateOutput]:
-        data = {"text": list(prompts), "sampling_params": [sampling_params_to_json(p) for p in params]}
+        data = {"text": list(prompts), "sampling_params": [to_sglang_sampling_params(p) for p in params]}
         want_lp = [p.logprobs for p in params]
         if any(want_lp):
             data["return_logprob"] = want_lp
             data["top_logprobs_num"] = [p.top_logprobs for p in params]
         objs = self._generate(data)
-        return [_output(o) for o in (objs if isinstance(objs, list) else [objs])]
+        return [output_from_sglang(o) for o in (objs if isinstance(objs, list) else [objs])]
 
     def generate_stream(self, prompt: str, params: SamplingParams) -> Iterator[StreamChunk]:
         """Incremental events (text, ids and, when asked, logprobs of each chunk's tokens)."""
         import httpx
 
-        data = {"text": prompt, "sampling_params": sampling_params_to_json(params), "stream": True,
+        data = {"text": prompt, "sampling_params": to_sglang_sampling_params(params), "stream": True,
                 "incremental_streaming_output": True}
         if params.logprobs:
             data.update(return_logprob=True, top_logprobs_num=params.top_logprobs)
@@ -199,8 +156,8 @@ class RuntimeEndpoint(BaseBackend):
                     if "error" in obj:
                         raise InvalidRequestError(obj["error"].get("message", str(obj["error"])))
                     meta = obj.get("meta_info", {})
-                    reason = _finish(meta)[0] if meta.get("finish_reason") else None
-                    final = _output(obj) if reason else None
+                    reason = finish_from_sglang(meta)[0] if meta.get("finish_reason") else None
+                    final = output_from_sglang(obj) if reason else None
                     lps = meta.get("output_token_logprobs")
                     yield StreamChunk(text=obj.get("text", ""), token_ids=list(obj.get("output_ids") or []),
                                       finish_reason=reason,  # type: ignore[arg-type]
