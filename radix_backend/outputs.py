@@ -75,24 +75,36 @@ class ChoiceScore:
 
 
 @dataclass
-class CacheStats:
-    """The engine's cache and scheduler counters at one moment (`Engine.cache_stats()`)."""
+class SchedulerStats:
+    """The scheduler's running counters."""
 
-    prompt_tokens: int  # prompt tokens seen by the scheduler
-    cached_tokens: int  # of those, served from the radix cache
-    hit_rate: float  # cached_tokens / prompt_tokens
-    nodes: int
-    evictions: int  # evicted tokens
-    slots_total: int
-    slots_used: int  # held by running requests or by the tree
-    slots_free: int
-    cached_slots: int  # owned by the radix tree
-    running_requests: int = 0
-    waiting_requests: int = 0
-    retractions: int = 0
+    prompt_tokens: int = 0  # prompt tokens seen by the scheduler
+    cached_tokens: int = 0  # of those, served from the radix cache
     forward_steps: int = 0
     generated_tokens: int = 0
+    retractions: int = 0
     finished_requests: int = 0
+
+
+@dataclass
+class KVUsage:
+    """What the KV pool and the radix tree hold, in tokens."""
+
+    nodes: int = 0
+    evictions: int = 0  # evicted tokens, all time
+    slots_total: int = 0
+    slots_used: int = 0  # held by running requests or by the tree
+    slots_free: int = 0
+    cached_slots: int = 0  # owned by the radix tree
+
+
+@dataclass
+class CacheStats(KVUsage, SchedulerStats):
+    """The engine's cache and scheduler figures at one moment (`Engine.cache_stats()`)."""
+
+    hit_rate: float = 0.0  # cached_tokens / prompt_tokens
+    running_requests: int = 0
+    waiting_requests: int = 0
     disk_hit_tokens: int = 0  # prompt tokens whose KV was loaded from the disk tier (counted in cached_tokens too)
     disk_bytes_read: int = 0
     disk_bytes_written: int = 0

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..outputs import KVUsage
 from .disk_tier import DiskTier, open_disk_tier
 from .kv_pool import SlotAllocator
 from .radix_cache import RadixCache, TreeNode
@@ -52,18 +53,6 @@ class RequestSlots:
 
     def clear(self) -> None:
         self.slots, self.cached_len, self.last_node = _no_slots(), 0, None
-
-
-@dataclass
-class KVUsage:
-    """What the pool and the tree hold right now, in tokens."""
-
-    nodes: int
-    evictions: int  # evicted tokens, all time
-    slots_total: int
-    slots_used: int  # held by requests or by the tree
-    slots_free: int
-    cached_slots: int  # owned by the tree
 
 
 class KVManager:

@@ -5,27 +5,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
 import torch
 
 from ..mem_cache.kv_manager import KVManager
-from ..outputs import TokenLogprob
+from ..outputs import SchedulerStats, TokenLogprob
 from .request import Req
 from .sampling import sample_batch
 from .schedule_batch import ScheduleBatch
 
 Detokenize = Callable[[Sequence[int], bool], str]  # (token ids, skip_special_tokens) -> text
-
-
-@dataclass
-class SchedulerStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    forward_steps: int = 0
-    generated_tokens: int = 0
-    retractions: int = 0
-    finished_requests: int = 0
 
 
 class OutputProcessor:

@@ -24,10 +24,10 @@ from ..config import EngineConfig
 from ..errors import EngineShutdownError, KVCacheTooSmallError, RequestAbortedError
 from ..mem_cache.kv_manager import KVManager
 from ..model_executor.model_runner import ModelRunner
-from ..outputs import CacheStats
+from ..outputs import CacheStats, SchedulerStats
 from .admission import PrefillAdder, StepBudget, needs_match_to_order, order_waiting
 from .inbox import Inbox
-from .output_processor import Detokenize, OutputProcessor, SchedulerStats
+from .output_processor import Detokenize, OutputProcessor
 from .request import Req
 from .schedule_batch import ScheduleBatch
 
