@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,9 +70,16 @@ class AttentionBackend(ABC):
     """Computes attention for one layer of a ragged batch over the paged KV cache."""
 
     name: str = "base"
+    _plan: Any = None  # what begin_forward made: an object with the `meta` it was made for
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         """Plan once per forward batch (shared by all layers). Default: nothing to plan."""
+
+    def _plan_for(self, meta: AttentionMetadata) -> Any:
+        """The plan of this forward: `begin_forward`'s, or made now when `forward` comes unplanned."""
+        if self._plan is None or self._plan.meta is not meta:
+            self.begin_forward(meta)
+        return self._plan
 
     def native_decode_slots(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """After `begin_forward(meta)`: (starts, lens) into meta.kv_indices of each request's keys

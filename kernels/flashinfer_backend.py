@@ -158,11 +158,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self._decode[tensor_cores]
 
     def _ensure_planned(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> _Plan:
-        plan = self._plan
-        if plan is None or plan.meta is not meta:
-            self.begin_forward(meta)
-            plan = self._plan
-            assert plan is not None
+        plan = self._plan_for(meta)
         if plan.planned:
             return plan
         hq, dim = q.shape[1], q.shape[2]

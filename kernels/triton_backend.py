@@ -43,11 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._plan = _Plan(meta=meta, num_kv_splits=0, max_extend_len=max(meta.extend_lens_cpu, default=0))
 
     def _get_plan(self, meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: int) -> _Plan:
-        plan = self._plan
-        if plan is None or plan.meta is not meta:
-            self.begin_forward(meta)
-            plan = self._plan
-            assert plan is not None
+        plan = self._plan_for(meta)
         if meta.is_decode:
             bsz, hq, dim = q.shape
             if plan.num_kv_splits == 0:
