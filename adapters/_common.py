@@ -17,6 +17,7 @@ from radix_backend.engine_like import EngineLike
 from radix_backend.errors import InvalidRequestError, MissingDependencyError
 from radix_backend.outputs import RequestMeta
 from radix_backend.sampling_params import SamplingParams
+from radix_backend.utils import load_json_text
 from radix_backend.tool_calls import (TEXT_REPLY_KEY, TOOL_CALL_MIN_TOKENS, ParsedToolReply, ToolSpec, close_objects,
                                       parse_tool_reply, tool_call_schema, tool_instructions, with_system_text)
 
@@ -88,10 +89,7 @@ class Usage:
 def to_json_schema(schema: Any) -> tuple[dict[str, Any], str]:
     """(JSON schema, name) of a pydantic class, a TypedDict, a JSON schema dict or an OpenAI tool dict."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"schema string is not valid JSON: {exc}") from exc
+        schema = load_json_text(schema, "schema string")
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         return close_objects(schema.model_json_schema()), schema.__name__
     if isinstance(schema, type) and hasattr(schema, "parse_raw") and hasattr(schema, "schema"):  # pydantic v1

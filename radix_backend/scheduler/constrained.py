@@ -28,6 +28,7 @@ import torch
 
 from ..errors import ConstraintError
 from ..sampling_params import SamplingParams
+from ..utils import load_json_text
 
 if TYPE_CHECKING:
     from .request import Req
@@ -73,10 +74,7 @@ def _schema_to_text(schema: Any) -> str:
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
         schema = schema.model_json_schema()
     elif isinstance(schema, (str, bytes)):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ConstraintError(f"json_schema is not valid JSON: {e}") from None
+        schema = load_json_text(schema, "json_schema")
     if not isinstance(schema, (dict, bool)):
         raise ConstraintError(
             "json_schema must be a dict, a JSON string or a pydantic BaseModel subclass, "
