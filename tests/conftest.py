@@ -2,7 +2,9 @@
 
 The tiny models use SmolLM2's real tokenizer (vocab 49152, chat template) so that tests can send
 real text through the whole stack, while a forward pass costs next to nothing on a 2-core CPU.
-Markers `slow` and `gpu` are registered in pyproject.toml.
+Markers `slow` and `gpu` are registered in pyproject.toml, and so is one per folder (`core`,
+`kernels`, `lang`, `adapters`, `server`, `bench`), given to every test in it: `-m "server and not
+slow"`. The tests of the repository as a whole (layering, docs, packaging, demo, examples) sit here.
 """
 
 from __future__ import annotations
@@ -54,13 +56,21 @@ def smollm2_checkpoint() -> Checkpoint:
     return resolve_checkpoint(None)
 
 
+FOLDERS = ("core", "kernels", "lang", "adapters", "server", "bench")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test on the shared SmolLM2 engine is marked `slow` (`-m "not slow"` skips them); a
-    module's own `engine` fixture (another model or config) replaces the shared one and is not."""
+    module's own `engine` fixture (another model or config) replaces the shared one and is not.
+    Every test in a folder gets the folder's marker."""
+    here = Path(__file__).parent
     for item in items:
         defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get("engine")
         if defs and not defs[-1].baseid.endswith(".py"):
             item.add_marker(pytest.mark.slow)
+        folder = item.path.relative_to(here).parts[0] if item.path.is_relative_to(here) else ""
+        if folder in FOLDERS:
+            item.add_marker(getattr(pytest.mark, folder))
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +89,14 @@ def smollm2_hf_dir(smollm2_checkpoint: Checkpoint) -> str:
     from radix_backend.model_executor.loader import hf_directory
 
     return str(hf_directory(smollm2_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_hf_dir: str):
+    """The embedded model in HF transformers, fp32: the reference the engine's greedy tokens match."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ version's source) run against `RadixGuidance` on SmolLM2, in a pytest subprocess
 guidance's PyPI sdist ships no tests, so the source comes from a guidance git checkout or bare
 repository named by $RADIX_GUIDANCE_SOURCE (the tag equal to the installed version is exported);
 without it the test skips and says so. Guidance's conftest.py is replaced by
-tests/guidance_upstream/conftest_radix.py, whose `selected_model` fixture is our adapter; the
+tests/adapters/guidance_upstream/conftest_radix.py, whose `selected_model` fixture is our adapter; the
 tests themselves run unchanged. Content failures of the 135M model are xfailed there, with reasons.
 """
 

@@ -1,6 +1,6 @@
 """conftest.py for guidance's own model-integration tests, run against `RadixGuidance`.
 
-tests/test_guidance_upstream.py copies guidance's `tests/` tree (tag 0.3.1) into a temporary
+tests/adapters/test_guidance_upstream.py copies guidance's `tests/` tree (tag 0.3.1) into a temporary
 directory, replaces guidance's conftest.py with this file and runs pytest there. Guidance's
 tests ask for a `selected_model` fixture ("a live model supported by guidance"); here it is
 `RadixGuidance` on the embedded SmolLM2, so every test drives our adapter and engine.

@@ -31,11 +31,6 @@ def server(fake: CharEngine):
         yield srv
 
 
-@pytest.fixture()
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
 def _wait_idle(fake: CharEngine, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while fake.held and time.monotonic() < deadline:

@@ -30,11 +30,6 @@ def model(server) -> str:
     return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
 
 
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def _held_by_requests(engine) -> int:
     stats = engine.cache_stats()
     return stats.slots_used - stats.cached_slots

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from radix_backend import Engine, SamplingParams
 
@@ -17,21 +16,16 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
 N_NEW = 20
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_hf_dir):
-    return AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
-
-
 def _messages(q: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
 
 
 @pytest.fixture(scope="module")
-def references(engine, hf_model) -> dict[str, list[int]]:
+def references(engine, smollm2_hf_model) -> dict[str, list[int]]:
     refs = {}
     for q in QUESTIONS:
         ids = engine.encode(engine.apply_chat_template(_messages(q)))
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False)
+        out = smollm2_hf_model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False)
         refs[q] = out[0, len(ids):].tolist()
     return refs
 
@@ -77,14 +71,14 @@ def test_page_size_4_matches_hf(references):
         assert stats.slots_free == stats.slots_total
 
 
-def test_score_matches_hf_loglikelihood(engine, hf_model):
+def test_score_matches_hf_loglikelihood(engine, smollm2_hf_model):
     prefix = "The capital of France is"
     choices = [" Paris", " London", " a big city"]
     scores = engine.score(prefix, choices)
     for choice, sc in zip(choices, scores):
         ids = engine.encode(prefix + choice)
         with torch.no_grad():
-            logits = hf_model(torch.tensor([ids])).logits[0].float()
+            logits = smollm2_hf_model(torch.tensor([ids])).logits[0].float()
         lp = torch.log_softmax(logits, -1)
         start = len(ids) - len(sc.token_ids)
         ref = [lp[i - 1, ids[i]].item() for i in range(start, len(ids))]
@@ -92,11 +86,11 @@ def test_score_matches_hf_loglikelihood(engine, hf_model):
     assert max(scores, key=lambda s: s.normalized_logprob).text == " Paris"
 
 
-def test_next_token_logits_matches_hf(engine, hf_model):
+def test_next_token_logits_matches_hf(engine, smollm2_hf_model):
     ids = engine.encode("Once upon a time, there was")
     ours = engine.next_token_logits(ids)
     with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0, -1].float()
+        ref = smollm2_hf_model(torch.tensor([ids])).logits[0, -1].float()
     assert torch.allclose(ours, ref, atol=1e-3, rtol=1e-3)
     before = engine.cache_stats()
     engine.next_token_logits(ids + [int(ours.argmax())])

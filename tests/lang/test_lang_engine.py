@@ -31,13 +31,6 @@ def backend(engine):
     return sgl.RadixEngineBackend(engine)
 
 
-@pytest.fixture(scope="module")
-def hf_model(smollm2_hf_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval()
-
-
 @sgl.function
 def few_shot(s, question):
     s += HEADER + "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=6, stop="\n")
@@ -60,7 +53,7 @@ def test_chat_roles_match_engine_chat_template_and_generation(engine, backend):
     assert state.get_meta_info("answer")["completion_tokens"] == len(ref.token_ids)
 
 
-def _hf_choice_logprobs(engine, hf_model, prefix: str, choice: str) -> list[float]:
+def _hf_choice_logprobs(engine, smollm2_hf_model, prefix: str, choice: str) -> list[float]:
     """Brute force: one full forward over prefix+choice per choice; the choice's tokens start where
     the joint tokenization departs from the prefix's (as Engine.score defines them)."""
     p_ids, full = engine.encode(prefix), engine.encode(prefix + choice)
@@ -68,7 +61,7 @@ def _hf_choice_logprobs(engine, hf_model, prefix: str, choice: str) -> list[floa
     while start < min(len(p_ids), len(full)) and p_ids[start] == full[start]:
         start += 1
     with torch.no_grad():
-        logits = hf_model(torch.tensor([full])).logits[0].float()
+        logits = smollm2_hf_model(torch.tensor([full])).logits[0].float()
     logp = torch.log_softmax(logits, dim=-1)
     return [logp[i - 1, full[i]].item() for i in range(start, len(full))]
 
@@ -78,12 +71,12 @@ def _hf_choice_logprobs(engine, hf_model, prefix: str, choice: str) -> list[floa
     ("Review: the food was cold and the waiter was rude.\nSentiment:", [" positive", " negative", " mixed feelings"]),
     ("2 + 2 =", [" 4", " 5", " four", " twenty two"]),
 ])
-def test_select_equals_hf_bruteforce_argmax(engine, backend, hf_model, prefix, choices):
+def test_select_equals_hf_bruteforce_argmax(engine, backend, smollm2_hf_model, prefix, choices):
     @sgl.function
     def pick(s, method):
         s += prefix + sgl.select("x", choices, choices_method=method)
 
-    brute = [_hf_choice_logprobs(engine, hf_model, prefix, c) for c in choices]
+    brute = [_hf_choice_logprobs(engine, smollm2_hf_model, prefix, c) for c in choices]
     means = [sum(lp) / len(lp) for lp in brute]
     state = pick.run(method=sgl.token_length_normalized, backend=backend)
     assert state["x"] == choices[max(range(len(choices)), key=means.__getitem__)]
