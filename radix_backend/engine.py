@@ -8,9 +8,7 @@ thread at submit time, so bad input raises there and never reaches the scheduler
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,18 +16,18 @@ from typing import Any
 import torch
 
 from .config import EngineConfig
-from .errors import InvalidRequestError, KVCacheTooSmallError, PromptTooLongError
+from .errors import InvalidRequestError
 from .model_executor.loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint
 from .model_executor.model_runner import KernelPath, ModelRunner
 from .outputs import CacheStats, ChoiceScore, GenerateOutput, StreamChunk
-from .scheduler.request import Req, RequestHandle
-from .sampling_params import SamplingParams, check_encodable
+from .request_builder import Message, RequestBuilder, collect_eos_token_ids
+from .scheduler.request import RequestHandle
+from .sampling_params import SamplingParams
 from .scheduler.scheduler import Scheduler
 
 PREP_THREADS = 4  # concurrent request preparations (tokenizing, templating, grammar compiling) per engine
 
 Prompt = str
-Message = dict[str, Any]  # {"role": "system"|"user"|"assistant", "content": str}
 
 
 class Engine:
@@ -46,48 +44,24 @@ class Engine:
         self.model_id = model if model is not None else EMBEDDED_MODEL_ID  # as the user named it; no cache paths
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.runner = ModelRunner(self.checkpoint, self.config)
-        self.eos_token_ids = frozenset(self._collect_eos_ids())
-        self.seed = self.config.seed
-        self._ids = itertools.count()
-        self._compiler = None
-        self._compiler_lock = threading.Lock()
+        self.eos_token_ids = collect_eos_token_ids(self.checkpoint.config, self.tokenizer, self.checkpoint.path)
         # async callers' tokenizing, chat templating and grammar compiling run here, off their event loop
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="radix-prep")
         self.scheduler = Scheduler(self.runner, self.config, detokenize=self.decode)
+        self.requests = RequestBuilder(self.tokenizer, model_id=self.model_id, vocab_size=self.runner.vocab_size,
+                                       context_length=self.runner.context_length, kv_capacity=self.scheduler.kv.total,
+                                       eos_token_ids=self.eos_token_ids, seed=self.config.seed)
 
     # ---- tokenizer helpers --------------------------------------------------------------------
-    def _collect_eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (self.checkpoint.config.eos_token_id, self.tokenizer.eos_token_id,
-                       getattr(self._generation_config(), "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(x) for x in source)
-        return ids
-
-    def _generation_config(self):
-        try:
-            from transformers import GenerationConfig
-            return GenerationConfig.from_pretrained(self.checkpoint.path, local_files_only=True)
-        except Exception:
-            return None
-
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        check_encodable(text, "prompt")  # a lone surrogate makes the tokenizer raise a TypeError
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.requests.encode(text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise InvalidRequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        if not self.tokenizer.chat_template:
-            raise InvalidRequestError(f"model {self.model_id} has no chat template; pass a plain prompt instead")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  tools=tools)
+        return self.requests.apply_chat_template(messages, add_generation_prompt, tools)
 
     @property
     def context_length(self) -> int:
@@ -113,74 +87,13 @@ class Engine:
     @property
     def constraint_compiler(self):
         """The llguidance compiler, built on first use (constrained decoding is optional)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                from .scheduler.constrained import ConstraintCompiler
-                self._compiler = ConstraintCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-            return self._compiler
-
-    # ---- request building ---------------------------------------------------------------------
-    def _prompt_ids(self, prompt: Any, input_ids: Any, messages: Any) -> list[int]:
-        given = sum(x is not None for x in (prompt, input_ids, messages))
-        if given != 1:
-            raise InvalidRequestError("pass exactly one of prompt, input_ids or messages")
-        if messages is not None:
-            prompt = self.apply_chat_template(messages)
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
-            ids = self.encode(prompt)
-        else:
-            if not isinstance(input_ids, (list, tuple)) or not all(isinstance(t, int) for t in input_ids):
-                raise InvalidRequestError("input_ids must be a list of ints")
-            ids = list(input_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"input_ids contain ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty: give at least one token")
-        return ids
-
-    def _make_req(self, prompt_ids: list[int], params: SamplingParams | None, stream: bool,
-                  input_logprob_start: int | None = None) -> Req:
-        if params is not None and not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params = params.copy() if params is not None else SamplingParams()  # the scheduler may not see caller edits
-        params.validate()
-        outside = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if outside:
-            raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size}): "
-                                      f"{outside[:5]}")
-        if len(prompt_ids) >= self.context_length:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens but the model's context window is {self.context_length}; "
-                "shorten the prompt")
-        if len(prompt_ids) + params.max_new_tokens > self.context_length:  # a 400 as in vLLM/SGLang, not a clamp
-            raise PromptTooLongError(
-                f"this model's context window is {self.context_length} tokens, but {len(prompt_ids)} prompt tokens + "
-                f"max_new_tokens {params.max_new_tokens} = {len(prompt_ids) + params.max_new_tokens}; lower "
-                f"max_new_tokens to at most {self.context_length - len(prompt_ids)}")
-        total = self.kv_capacity
-        needed = len(prompt_ids) + params.max_new_tokens
-        if needed > total:
-            raise KVCacheTooSmallError(
-                f"request needs {needed} KV slots (prompt {len(prompt_ids)} + max_new_tokens) but the pool has {total}; "
-                "raise kv_cache_tokens or lower max_new_tokens")
-        constraint = self.constraint_compiler.compile(params) if params.has_constraint else None
-        rid = uuid.uuid4().hex
-        generator = None
-        if not params.is_greedy:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(params.seed if params.seed is not None else self.seed * 1_000_003 + next(self._ids))
-        return Req(rid=rid, prompt_ids=prompt_ids, params=params, handle=RequestHandle(rid, stream),
-                   eos_token_ids=self.eos_token_ids, max_total_tokens=self.context_length, constraint=constraint,
-                   input_logprob_start=input_logprob_start, generator=generator)
+        return self.requests.constraint_compiler
 
     def submit(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
                input_ids: list[int] | None = None, messages: list[Message] | None = None,
                stream: bool = False) -> RequestHandle:
         """Queue one request and return its handle (`.wait()`, `.iter_chunks()`, `.rid`)."""
-        req = self._make_req(self._prompt_ids(prompt, input_ids, messages), params, stream)
+        req = self.requests.request(self.requests.prompt_ids(prompt, input_ids, messages), params, stream)
         self.scheduler.submit(req)
         return req.handle
 
@@ -202,8 +115,8 @@ class Engine:
         for i, item in enumerate(items):
             p = params[i] if isinstance(params, list) else params
             kw = {"prompt": item} if isinstance(prompt, list) else {"input_ids": item} if input_ids is not None else {"messages": item}
-            ids = self._prompt_ids(kw.get("prompt"), kw.get("input_ids"), kw.get("messages"))
-            reqs.append(self._make_req(ids, p, stream=False))
+            ids = self.requests.prompt_ids(kw.get("prompt"), kw.get("input_ids"), kw.get("messages"))
+            reqs.append(self.requests.request(ids, p, stream=False))
         for req in reqs:
             self.scheduler.submit(req)
         return [r.handle for r in reqs], True
@@ -292,13 +205,13 @@ class Engine:
         one per continuation, then (unconditional) each continuation alone. Their handles, in that order."""
         if not continuations:
             raise InvalidRequestError("score() needs at least one continuation")
-        prefix_ids = self._prompt_ids(prefix, None, None) if isinstance(prefix, str) else self._prompt_ids(None, prefix, None)
-        pairs = [self._split_continuation(prefix, prefix_ids, c) for c in continuations]
-        self.scheduler.submit(self._make_req(prefix_ids, SamplingParams(max_new_tokens=0), stream=False))
-        reqs = [self._make_req(full, SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=start)
+        prefix_ids = self.requests.prompt_ids(prefix, None, None) if isinstance(prefix, str) else self.requests.prompt_ids(None, prefix, None)
+        pairs = [self.requests.split_continuation(prefix, prefix_ids, c) for c in continuations]
+        self.scheduler.submit(self.requests.request(prefix_ids, SamplingParams(max_new_tokens=0), stream=False))
+        reqs = [self.requests.request(full, SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=start)
                 for full, start in pairs]
         if unconditional:
-            reqs += [self._make_req(full[start:], SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=1)
+            reqs += [self.requests.request(full[start:], SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=1)
                      for full, start in pairs]
         for r in reqs:
             self.scheduler.submit(r)
@@ -323,31 +236,12 @@ class Engine:
         The backend for token-by-token drivers such as Guidance: the sequence is inserted into the
         tree, so the next call (one token longer) computes one new token.
         """
-        req = self._make_req(self._prompt_ids(None, input_ids, None), SamplingParams(max_new_tokens=0), stream=False)
+        req = self.requests.request(self.requests.prompt_ids(None, input_ids, None), SamplingParams(max_new_tokens=0), stream=False)
         req.return_next_logits = True
         self.scheduler.submit(req)
         out = req.handle.wait()
         assert out.next_token_logits is not None
         return out.next_token_logits
-
-    def _split_continuation(self, prefix, prefix_ids: list[int], continuation) -> tuple[list[int], int]:
-        """Token ids of prefix+continuation and where the continuation's tokens start."""
-        if isinstance(continuation, str):
-            if not isinstance(prefix, str):
-                full = prefix_ids + self.encode(continuation)
-            else:
-                full = self.encode(prefix + continuation)
-        elif isinstance(continuation, list) and all(isinstance(t, int) for t in continuation):
-            full = prefix_ids + list(continuation)
-        else:
-            raise InvalidRequestError("continuations must be strings or lists of token ids")
-        start = 0
-        while start < min(len(full), len(prefix_ids)) and full[start] == prefix_ids[start]:
-            start += 1
-        if start == len(full):
-            raise InvalidRequestError(f"continuation {continuation!r} adds no tokens to the prefix")
-        start = max(start, 1)
-        return full, start
 
     # ---- cache and lifecycle ---------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:

@@ -66,7 +66,7 @@ CORE_FLOORS: tuple[dict[str, tuple[str, ...]], ...] = (  # floor -> {part: its p
     {"mem_cache": ("radix_backend.mem_cache",), "models": ("radix_backend.models",)},
     {"model_executor": ("radix_backend.model_executor",)},
     {"scheduler": ("radix_backend.scheduler",)},
-    {"engine": ("radix_backend.engine", "radix_backend.engine_like", "radix_backend")},
+    {"engine": ("radix_backend.engine", "radix_backend.engine_like", "radix_backend.request_builder", "radix_backend")},
 )
 
 

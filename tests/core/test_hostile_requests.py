@@ -16,13 +16,13 @@ from radix_backend.sampling_params import MAX_CHOICES, MAX_CONSTRAINT_CHARS
 def test_async_preparation_runs_off_the_event_loop(tiny_engine, monkeypatch):
     """Tokenizing a 4 MB prompt or compiling a big grammar takes seconds; a server's event loop must
     keep answering other clients meanwhile."""
-    real = tiny_engine._prompt_ids
+    real = tiny_engine.requests.prompt_ids
 
     def slow(*args, **kwargs):
         time.sleep(0.5)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tiny_engine, "_prompt_ids", slow)
+    monkeypatch.setattr(tiny_engine.requests, "prompt_ids", slow)
 
     async def main() -> tuple[int, str]:
         ticks = 0
@@ -44,8 +44,8 @@ def test_async_preparation_runs_off_the_event_loop(tiny_engine, monkeypatch):
 
 
 def test_a_caller_cancelled_during_preparation_leaves_no_request_running(tiny_engine, monkeypatch):
-    real = tiny_engine._prompt_ids
-    monkeypatch.setattr(tiny_engine, "_prompt_ids", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
+    real = tiny_engine.requests.prompt_ids
+    monkeypatch.setattr(tiny_engine.requests, "prompt_ids", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
 
     async def main() -> None:
         task = asyncio.ensure_future(tiny_engine.agenerate("Hello", SamplingParams(max_new_tokens=2000, ignore_eos=True)))
