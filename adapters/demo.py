@@ -1,5 +1,5 @@
-"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex and Guidance calls over one
-shared system prompt, on the engine the demo already holds, each reusing the others' KV."""
+"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex, Guidance and DSPy calls over
+one shared system prompt, on the engine the demo already holds, each reusing the others' KV."""
 
 from __future__ import annotations
 
@@ -57,3 +57,14 @@ def run_adapter_demo(engine: EngineLike, system: str, max_tokens: int = 24) -> N
         print(f"   Guidance RadixGuidance select -> {lm['answer']}  ({_computed_and_cached(engine, before)})")
     except ImportError as exc:
         print(f"   Guidance: skipped ({exc})")
+    try:
+        import dspy
+
+        from .dspy import RadixLM
+
+        before = engine.cache_stats()
+        with dspy.context(lm=RadixLM(engine, cache=False, max_tokens=max_tokens * 4), adapter=dspy.JSONAdapter()):
+            pred = dspy.Predict(dspy.Signature("question -> answer", system))(question=question)
+        print(f"   DSPy RadixLM Predict -> {str(pred.answer).strip()}  ({_computed_and_cached(engine, before)})")
+    except ImportError as exc:
+        print(f"   DSPy: skipped ({exc})")

@@ -20,6 +20,9 @@ def test_demo_second_run_loads_prefixes_from_disk(tiny_llama_dir: Path, tmp_path
     second = capsys.readouterr().out
     for out in (first, second):
         assert "few-shot batch" in out and "multi-turn chat" in out and "fork" in out and "overall:" in out
+        for framework in ("LangChain RadixChatModel ->", "LlamaIndex RadixLlamaIndexLLM ->",
+                          "Guidance RadixGuidance select ->", "DSPy RadixLM Predict ->"):
+            assert framework in out, framework  # every framework ran on the demo's engine
     assert "loaded from disk" not in first
     loaded = re.search(r"\[few-shot batch[^\]]*\] prompt tokens \d+, served from cache \d+ \(\d+%\), (\d+) of them "
                        r"loaded from disk", second)
