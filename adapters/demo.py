@@ -1,5 +1,7 @@
 """The adapters part of `radix-backend demo`: LangChain, LlamaIndex, Guidance and DSPy calls over
-one shared system prompt, on the engine the demo already holds, each reusing the others' KV."""
+one shared system prompt, on the engine the demo already holds. The first three reuse each other's
+KV; DSPy writes its own system prompt (field descriptions first, the instructions after them), so
+it shares little with them, and its line says so."""
 
 from __future__ import annotations
 
