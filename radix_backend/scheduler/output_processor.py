@@ -58,7 +58,7 @@ class OutputProcessor:
             if n > 1 and not finishing and req.kv.kv_len - req.kv.cached_len >= self.kv.page_size:
                 # after a prefill (chunk) the prompt goes into the tree at once, so requests that
                 # share it, waiting or yet to come, reuse it while this one is still decoding
-                self.kv.cache(req.kv, req.fill_ids[:req.kv.kv_len], finished=False)
+                self.kv.cache(req.kv, req.computed_ids, finished=False)
             if finishing and not req.finished:
                 req.finish_reason = "length"
         return to_sample

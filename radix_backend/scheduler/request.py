@@ -180,6 +180,11 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def computed_ids(self) -> list[int]:
+        """The tokens whose KV the request holds (`kv.slots[i]` is token i's)."""
+        return self.fill_ids[:self.kv.kv_len]
+
+    @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

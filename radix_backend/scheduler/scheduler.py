@@ -209,7 +209,7 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Preempt under memory pressure: keep its computed KV in the tree, requeue it first."""
         self.running.remove(req)
-        self.kv.cache(req.kv, req.fill_ids[:req.kv.kv_len], finished=True)
+        self.kv.cache(req.kv, req.computed_ids, finished=True)
         self.waiting.appendleft(req)
         self.stats.retractions += 1
 
@@ -234,11 +234,11 @@ class Scheduler:
     def _finish(self, req: Req, error: BaseException | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
-            self.kv.cache(req.kv, req.fill_ids[:req.kv.kv_len], finished=True)
+            self.kv.cache(req.kv, req.computed_ids, finished=True)
         elif req in self.waiting:
             self.waiting.remove(req)
             if req.kv.last_node is not None:
-                self.kv.cache(req.kv, req.fill_ids[:req.kv.kv_len], finished=True)
+                self.kv.cache(req.kv, req.computed_ids, finished=True)
         if error is not None:
             req.handle.fail(error)
             return
