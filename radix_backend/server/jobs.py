@@ -67,17 +67,23 @@ async def run_jobs(request: Request, engine: EngineLike, jobs: list[Job], tracke
             task.cancel()
         tracker.finish()
         raise
-    usage = usage_info(outs, [j.group for j in jobs])
-    tracker.finish(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
+    finish_tracker(tracker, outs, jobs)
     return outs
 
 
-def usage_info(outs: Sequence[GenerateOutput | None], groups: Sequence[int]) -> UsageInfo:
+def finish_tracker(tracker: RequestTracker, outs: Sequence[GenerateOutput | None], jobs: Sequence[Job]) -> None:
+    """Close the request's metrics with the usage of the outputs it got (None: a job that did not finish)."""
+    usage = usage_info(outs, jobs)
+    tracker.finish(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
+
+
+def usage_info(outs: Sequence[GenerateOutput | None], jobs: Sequence[Job]) -> UsageInfo:
     """Prompt tokens count once per prompt (not once per sample), completion tokens per sample."""
     prompt: dict[int, int] = {}
     cached: dict[int, int] = {}
     completion = 0
-    for out, group in zip(outs, groups):
+    for out, job in zip(outs, jobs):
+        group = job.group
         if out is None:
             continue
         prompt[group] = max(prompt.get(group, 0), out.meta.prompt_tokens)

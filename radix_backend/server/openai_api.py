@@ -66,7 +66,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                                     matched_stop=out.meta.matched_stop,
                                     logprobs=_completion_logprobs(out.logprobs, state.tok) if want_lp else None)
                    for i, out in enumerate(outs)]
-        return CompletionResponse(model=model, choices=choices, usage=usage_info(outs, [j.group for j in jobs]))
+        return CompletionResponse(model=model, choices=choices, usage=usage_info(outs, jobs))
 
     # ------------------------------------------------------------------ chat
 
@@ -103,7 +103,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
             choices.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
                                                 matched_stop=out.meta.matched_stop,
                                                 logprobs=_chat_logprobs(out.logprobs, state.tok) if req.logprobs else None))
-        return ChatCompletionResponse(model=model, choices=choices, usage=usage_info(outs, [j.group for j in jobs]))
+        return ChatCompletionResponse(model=model, choices=choices, usage=usage_info(outs, jobs))
 
 
 # ============================================================================ request -> SamplingParams

@@ -1,6 +1,6 @@
 """Streaming jobs as server-sent events: `open_streams` starts them as a `StreamSession`, whose
 `chunks()` merges their chunks (keeping each choice's text, ids and final output) and whose
-`response()` sends the events and closes the streams."""
+`response()` sends the events, closes the streams and finishes the request's metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from ..engine_like import EngineLike
 from ..outputs import GenerateOutput, StreamChunk
 from .metrics import RequestTracker
 from .http_errors import error_response
-from .jobs import Job, chunk_as_output, usage_info
+from .jobs import Job, chunk_as_output, finish_tracker, usage_info
+from .protocol import UsageInfo
 from .state import ServerState
 
 
@@ -109,11 +110,34 @@ class StreamSession:
             yield item
             item = await self.streams.next()
 
-    def usage(self):
-        return usage_info(self.finals, [j.group for j in self.jobs])
+    def usage(self) -> UsageInfo:
+        return usage_info(self.finals, self.jobs)
 
     def response(self, events: AsyncGenerator[str, None]) -> StreamingResponse:
-        return sse_response(events, self.streams, self.tracker, self.finals, self.jobs)
+        """Stream `events` (SSE lines, sent as `chunks()` fills the session), then `data: [DONE]`.
+
+        An error after the 200 status is sent is reported in-band: an error event, then [DONE]. A
+        client that goes away (cancellation, or the generator closed) just ends the stream. Either
+        way the engine streams are closed, aborting what is unfinished, and the tracker is finished
+        with the usage of `finals`.
+        """
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async with aclosing(events):
+                    async for event in events:
+                        yield event
+                yield "data: [DONE]\n\n"
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+                yield _stream_error_event(exc)
+                yield "data: [DONE]\n\n"
+            finally:
+                self.streams.close()
+                finish_tracker(self.tracker, self.finals, self.jobs)
+
+        return _ClosingStreamingResponse(body(), media_type="text/event-stream")
 
 
 async def open_streams(state: ServerState, jobs: list[Job], tracker: RequestTracker) -> StreamSession:
@@ -132,36 +156,3 @@ async def open_streams(state: ServerState, jobs: list[Job], tracker: RequestTrac
 def _stream_error_event(exc: BaseException) -> str:
     resp = error_response(exc)
     return f"data: {resp.body.decode()}\n\n"
-
-
-def _finish_stream_tracker(tracker: RequestTracker, finals: Sequence[GenerateOutput | None], jobs: Sequence[Job]) -> None:
-    usage = usage_info(finals, [j.group for j in jobs])
-    tracker.finish(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens)
-
-
-def sse_response(events: AsyncGenerator[str, None], streams: MergedStreams, tracker: RequestTracker,
-                  finals: list[GenerateOutput | None], jobs: Sequence[Job]) -> StreamingResponse:
-    """Stream `events` (SSE lines that fill `finals` as requests finish), then `data: [DONE]`.
-
-    An error after the 200 status is sent is reported in-band: an error event, then [DONE]. A
-    client that goes away (cancellation, or the generator closed) just ends the stream. Either way
-    the engine streams are closed, aborting what is unfinished, and the tracker is finished with
-    the usage of `finals`.
-    """
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async with aclosing(events):
-                async for event in events:
-                    yield event
-            yield "data: [DONE]\n\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield _stream_error_event(exc)
-            yield "data: [DONE]\n\n"
-        finally:
-            streams.close()
-            _finish_stream_tracker(tracker, finals, jobs)
-
-    return _ClosingStreamingResponse(body(), media_type="text/event-stream")
