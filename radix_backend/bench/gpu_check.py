@@ -1,16 +1,20 @@
-"""One prepared GPU check (< 8 min on one H100/H200): `python -m radix_backend.bench.gpu_check`.
+"""One prepared GPU check (~3 min on one H200): `python -m radix_backend.bench.gpu_check`.
 
 1. correctness: Triton and FlashInfer attention backends (decode, extend, cascade) and the Triton
-   fused ops against the torch reference on random ragged batches, fp32 and bf16; the CUDA-graph
-   decode runner against eager;
+   fused ops against the torch reference (computed in fp32 from the same inputs) on random ragged
+   batches, fp32 and bf16; the CUDA-graph decode runner against eager; with `--hf-greedy`, every
+   backend's greedy tokens against HF transformers on the same GPU, per model (fp32 exact);
 2. kernel timing with CUDA events (median of many runs; each timed call is replayed from a CUDA
-   graph when the backend allows it, so Python launch overhead is not counted): decode at batch 64 /
-   context 2048 and an extend (prefill with cached prefix) shape, for triton, flashinfer, the torch
-   backend and dense SDPA (no paging, a lower bound); then a sweep of Triton launch configs
-   (decode splits / tile sizes, extend tiles / stages) to tune the defaults;
-3. end to end: the few-shot and branching workloads on the embedded SmolLM2 through
-   `radix_backend.Engine(attention_backend=...)` for every available backend;
-then prints a short table (last) and writes `gpu_check.json` into the folder given by `--out`.
+   graph when the backend allows it, so Python launch overhead is not counted): decode at batch
+   1/32/128 and context 512/4k, an extend over a cached prefix and a prefill, for triton,
+   flashinfer, the torch backend and dense SDPA (no paging, a lower bound);
+3. end to end: the few-shot, multi-turn and branching workloads through
+   `radix_backend.Engine(attention_backend=...)` for every backend and every model of `--models`
+   (the embedded SmolLM2 by default; `--random-model DIR` adds a random-weight 0.5B Llama);
+4. a sweep of Triton launch configs (decode splits / tiles, extend tiles / stages) on the widest
+   decode and the extend shape, to tune the defaults;
+then prints a short table (last) and writes `gpu_check.json` into the folder given by `--out`
+after every section.
 
 Every section is guarded: a failure is recorded in the report and the next section still runs.
 """
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 
-# Targets from issue 5: Triton time / FlashInfer time.
+# Targets: Triton time / FlashInfer time per kernel call.
 TARGETS = {"decode": 1.3, "extend": 1.5}
 
 
@@ -51,16 +55,24 @@ class AttnShape:
 
 
 def bench_shapes(quick: bool = False) -> list[AttnShape]:
-    """Llama-3-8B-like layer (32 q / 8 kv heads, d 128) and the SmolLM2 layer (9 / 3, d 64)."""
-    b_dec, ctx = (8, 512) if quick else (64, 2048)
+    """Decode at batch 1/32/128 and context 512/4k on a Llama-3-8B-like layer (32 q / 8 kv heads,
+    d 128), one SmolLM2 layer (9 / 3, d 64), an extend over a cached prefix and a plain prefill."""
+    grid = [(2, 128), (8, 512)] if quick else [(b, ctx) for ctx in (512, 4096) for b in (1, 32, 128)]
+    b_small, ctx_small = (8, 512) if quick else (32, 2048)
     b_ext, pre, ext = (2, 256, 128) if quick else (8, 1024, 512)
-    return [
-        AttnShape(f"decode b{b_dec} ctx{ctx} 32/8x128", [ctx - 1] * b_dec, [1] * b_dec, 32, 8, 128),
-        AttnShape(f"decode b{b_dec} ctx{ctx} 9/3x64", [ctx - 1] * b_dec, [1] * b_dec, 9, 3, 64),
+    decode = [AttnShape(f"decode b{b} ctx{ctx} 32/8x128", [ctx - 1] * b, [1] * b, 32, 8, 128) for b, ctx in grid]
+    return decode + [
+        AttnShape(f"decode b{b_small} ctx{ctx_small} 9/3x64", [ctx_small - 1] * b_small, [1] * b_small, 9, 3, 64),
         AttnShape(f"extend b{b_ext} pre{pre}+{ext} 32/8x128", [pre] * b_ext, [ext] * b_ext, 32, 8, 128),
         AttnShape(f"prefill b{b_ext // 2 or 1} {2 * ext} 32/8x128", [0] * (b_ext // 2 or 1),
                   [2 * ext] * (b_ext // 2 or 1), 32, 8, 128),
     ]
+
+
+def sweep_shape(shapes: list[AttnShape], kind: str) -> AttnShape:
+    """The shape whose Triton launch configs are swept: the widest batch of the kind (a decode
+    sweep on batch 1 would only tune the split count for an idle GPU)."""
+    return max((s for s in shapes if s.kind == kind), key=lambda s: (len(s.prefix_lens), s.prefix_lens[0]))
 
 
 def correctness_shapes(quick: bool = False) -> list[AttnShape]:
@@ -103,6 +115,8 @@ def make_batch(shape: AttnShape, dtype: torch.dtype, device: str, seed: int = 0,
     """
     from radix_backend.kernels.attention_base import AttentionMetadata
     g = torch.Generator().manual_seed(seed)
+    # Values come from a generator on the target device: the 4k-context batches hold ~10^9 of them.
+    g_dev = torch.Generator(device=device).manual_seed(seed)
     seq = [p + e for p, e in zip(shape.prefix_lens, shape.extend_lens)]
     if shared_prefix > min(shape.prefix_lens):
         raise ValueError("shared_prefix must not exceed the shortest prefix")
@@ -121,7 +135,7 @@ def make_batch(shape: AttnShape, dtype: torch.dtype, device: str, seed: int = 0,
     n, hq, hkv, d = sum(shape.extend_lens), shape.num_q_heads, shape.num_kv_heads, shape.head_dim
 
     def rnd(*dims: int) -> torch.Tensor:
-        return torch.randn(*dims, generator=g).to(device=device, dtype=dtype)
+        return torch.randn(*dims, generator=g_dev, device=device, dtype=dtype)
     return rnd(n, hq, d), rnd(n, hkv, d), rnd(n, hkv, d), rnd(num_slots, hkv, d), rnd(num_slots, hkv, d), meta
 
 
@@ -183,7 +197,11 @@ def check_attention(report: Report, device: str, backends: list[str], quick: boo
                 backend = make_backend(name, device, **kw)
                 q, k, v, kc, vc, meta = make_batch(shape, dtype, device, seed=i, shared_prefix=shared)
                 kc_ref, vc_ref = kc.clone(), vc.clone()
-                ref = ref_backend.forward(q, k, v, kc_ref, vc_ref, meta, shape.head_dim ** -0.5)
+                ref_backend.store_kv(k, v, kc_ref, vc_ref, meta)  # the cache rows every backend must write
+                # The value reference is the fp32 product of the same (possibly bf16) inputs: a bf16
+                # torch reference rounds its own softmax and sits ~2e-2 off on 600+ token contexts.
+                ref = ref_backend.forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta,
+                                          shape.head_dim ** -0.5)
                 backend.begin_forward(meta)
                 out = backend.forward(q, k, v, kc, vc, meta, shape.head_dim ** -0.5)
                 err = rel_err(out, ref)
@@ -330,7 +348,8 @@ def bench_attention(report: Report, device: str, backends: list[str], iters: int
 def sweep_candidates() -> dict[str, list[dict[str, Any]]]:
     """Triton launch configs to try per kind (TritonAttentionBackend kwargs); defaults come first."""
     from radix_backend.kernels.triton_extend import ExtendConfig
-    decode = [dict(num_kv_splits=s, decode_block_n=bn) for s in (None, 1, 2, 4, 8) for bn in (32, 64)]
+    decode = [dict(num_kv_splits=None, decode_block_n=None)] + [
+        dict(num_kv_splits=s, decode_block_n=bn) for s in (None, 1, 2, 4, 8) for bn in (32, 64, 128)]
     extend = [dict(extend_config=None)] + [dict(extend_config=ExtendConfig(m, n, w, st)) for m, n, w, st in
                                            ((128, 64, 8, 1), (64, 64, 4, 1), (64, 64, 4, 2), (128, 32, 4, 2),
                                             (64, 128, 8, 1), (128, 64, 8, 2))]
@@ -354,7 +373,7 @@ def sweep_triton(report: Report, device: str, iters: int, quick: bool) -> None:
     shapes = bench_shapes(quick)
     candidates = sweep_candidates()
     for kind in ("decode", "extend"):
-        shape = next(s for s in shapes if s.kind == kind)
+        shape = sweep_shape(shapes, kind)
         q, k, v, kc, vc, meta = make_batch(shape, torch.bfloat16, device, seed=1)
         scale = shape.head_dim ** -0.5
         for kwargs in candidates[kind]:
@@ -428,7 +447,7 @@ def run_workloads(engine: Any, quick: bool) -> dict[str, Any]:
     bench.core_bench runs them) so GPU and CPU figures compare; built-in prompts if those cannot
     load (e.g. the ShareGPT data set is not installed on the GPU machine)."""
     results: dict[str, Any] = {}
-    for name in ("few-shot", "branching"):
+    for name in ("few-shot", "multi-turn", "branching"):
         try:
             results[name] = _run_project_workload(engine, name, quick)
         except Exception as exc:  # fall back to the self-contained prompts below
@@ -447,6 +466,7 @@ def _run_project_workload(engine: Any, name: str, quick: bool) -> dict[str, Any]
 
 
 def _run_builtin_workload(engine: Any, name: str, quick: bool) -> dict[str, Any]:
+    """Few-shot, or for the other workloads the two-level branching prompts."""
     from radix_backend import SamplingParams
     params = SamplingParams(max_new_tokens=16, temperature=0.0)
     engine.flush_cache()
@@ -474,35 +494,122 @@ def _branching_two_levels(engine: Any, params: Any, quick: bool) -> list[Any]:
     return list(first) + list(second)
 
 
+def model_label(model: str | None) -> str:
+    return "SmolLM2-135M" if model is None else os.path.basename(os.path.normpath(model))
+
+
 def bench_e2e(report: Report, device: str, backends: list[str], quick: bool, kv_cache_tokens: int = 200_000,
-              engine_factory: Callable[..., Any] | None = None, warmup: bool = True) -> None:
+              engine_factory: Callable[..., Any] | None = None, warmup: bool = True,
+              models: list[str | None] | None = None) -> None:
+    """Every workload on every model (None = the embedded SmolLM2) with every backend; each
+    backend's greedy tokens are compared with the first backend's on the same model."""
     if engine_factory is None:
         try:
             from radix_backend import Engine as engine_factory
         except ImportError as exc:
             report.errors.append(f"e2e: radix_backend.Engine not importable: {exc}")
             return
-    reference: dict[str, list[list[int]]] = {}
-    for name in backends:
-        start = time.perf_counter()
-        with engine_factory(device=device, attention_backend=name, kv_cache_tokens=kv_cache_tokens) as engine:
-            load_s = time.perf_counter() - start
-            if warmup:
-                run_workloads(engine, quick=True)  # compiles kernels, fills allocator caches
-            results = run_workloads(engine, quick)
-        for workload, r in results.items():
-            outputs = r.pop("outputs")
-            reference.setdefault(workload, outputs)
-            same = sum(a == b for a, b in zip(outputs, reference[workload])) / max(len(outputs), 1)
-            report.e2e.append(dict(backend=name, workload=workload, load_s=load_s, same_as_first=same, **r))
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    for model in models or [None]:
+        reference: dict[str, list[list[int]]] = {}
+        for name in backends:
+            start = time.perf_counter()
+            with engine_factory(model=model, device=device, attention_backend=name,
+                                kv_cache_tokens=kv_cache_tokens) as engine:
+                load_s = time.perf_counter() - start
+                if warmup:
+                    run_workloads(engine, quick=True)  # compiles kernels, fills allocator caches
+                results = run_workloads(engine, quick)
+            for workload, r in results.items():
+                outputs = r.pop("outputs")
+                reference.setdefault(workload, outputs)
+                same = sum(a == b for a, b in zip(outputs, reference[workload])) / max(len(outputs), 1)
+                report.e2e.append(dict(model=model_label(model), backend=name, workload=workload, load_s=load_s,
+                                       same_as_first=same, **r))
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+
+GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
+                  "Once upon a time, in a small village,", "The three primary colors are",
+                  "To make a cup of tea, first", "import numpy as np\n\narr =", "The largest planet in the solar system"]
+
+
+def check_hf_greedy(report: Report, device: str, backends: list[str], model: str | None, new_tokens: int = 24,
+                    dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:
+    """Greedy tokens of every backend against HF transformers' `generate` on the same GPU and dtype.
+
+    fp32 must match token for token (the engine's reference claim); bf16 rows report how many
+    prompts agree on all tokens and on the first 8 (bf16 rounding may flip near-ties, so those
+    rows inform and do not fail the check). FlashInfer has no fp32 kernels and runs bf16 only."""
+    from transformers import AutoModelForCausalLM
+
+    from radix_backend import Engine, SamplingParams
+    from radix_backend.model_executor.loader import hf_directory, resolve_checkpoint
+    hf_dir = hf_directory(resolve_checkpoint(model))
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for dtype in dtypes:
+        hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=getattr(torch, dtype)).to(device).eval()
+        expected: list[list[int]] | None = None
+        for name in backends:
+            if name == "flashinfer" and dtype == "float32":
+                continue
+            with Engine(model=model, device=device, dtype=dtype, attention_backend=name,
+                        kv_cache_tokens=8192) as engine:
+                if expected is None:
+                    expected = [_hf_greedy(hf, engine.encode(p), new_tokens, device) for p in GREEDY_PROMPTS]
+                got = [list(o.token_ids) for o in engine.generate(GREEDY_PROMPTS, params)]
+            full = sum(a == b for a, b in zip(got, expected))
+            first8 = sum(a[:8] == b[:8] for a, b in zip(got, expected))
+            strict = dtype == "float32"
+            report.correctness.append(dict(
+                check=f"greedy == HF {model_label(model)} {name} ({full}/{len(got)} full, {first8} first-8)",
+                dtype=dtype, rel_err=1.0 - full / len(got), ok=bool(full == len(got)) if strict else True))
+        del hf
+        torch.cuda.empty_cache()
+
+
+def _hf_greedy(hf: Any, ids: list[int], new_tokens: int, device: str) -> list[int]:
+    """HF's greedy continuation of exactly `new_tokens` tokens, EOS included like any other token
+    (what `ignore_eos` asks of the engine; `generate` would stop at or suppress EOS)."""
+    out, past, step = [], None, torch.tensor([ids], device=device)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            res = hf(input_ids=step, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            step = res.logits[:, -1].argmax(-1, keepdim=True)
+            out.append(int(step))
+    return out
+
+
+RANDOM_LLAMA_0_5B = dict(hidden_size=1536, num_hidden_layers=18, num_attention_heads=12, num_key_value_heads=4,
+                         intermediate_size=4096, max_position_embeddings=8192, rope_theta=500000.0,
+                         tie_word_embeddings=True, initializer_range=0.02)
+
+
+def write_random_llama(dest: str, device: str, tokenizer_source: str | None = None, seed: int = 0) -> str:
+    """A random-weight Llama of 0.53B parameters (18 layers, d 1536, 12 q / 4 kv heads of 128) in
+    bf16 safetensors with SmolLM2's tokenizer: a >= 0.5B shape to time without any download.
+    Random weights make its text meaningless; its speed is a real model's of that shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from radix_backend.model_executor.loader import load_tokenizer, resolve_checkpoint
+    if os.path.isfile(os.path.join(dest, "config.json")):
+        return dest
+    tokenizer = load_tokenizer(resolve_checkpoint(tokenizer_source))
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, **RANDOM_LLAMA_0_5B)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
 
 
 # ----------------------------------------------------------------------------- report
 
 def format_table(report: Report) -> str:
-    lines = ["== correctness (rel. error vs torch reference)"]
+    lines = ["== correctness (rel. error vs the fp32 torch reference)"]
     for c in report.correctness:
         lines.append(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['check']:<52} {c['dtype']:<9} {c['rel_err']:.2e}")
     if report.timings:
@@ -519,9 +626,9 @@ def format_table(report: Report) -> str:
                      f"{'ok' if t['ok'] else 'MISSED'}")
     lines += best_sweep(report.sweep)
     if report.e2e:
-        lines.append("== end to end on SmolLM2-135M")
+        lines.append("== end to end")
         for e in report.e2e:
-            lines.append(f"  {e['backend']:<11} {e['workload']:<10} {e['requests']:>4} req "
+            lines.append(f"  {e.get('model', 'SmolLM2-135M'):<14} {e['backend']:<11} {e['workload']:<10} {e['requests']:>4} req "
                          f"{e['tok_per_s']:>9.1f} tok/s hit {e['hit_rate']:.2f} "
                          f"same-as-first {e['same_as_first']:.2f} (load {e['load_s']:.1f}s, {e['source']})")
     for err in report.errors:
@@ -537,12 +644,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of torch,triton,flashinfer (default: those available)")
     p.add_argument("--iters", type=int, default=50, help="timed samples per kernel (default: 50)")
     p.add_argument("--quick", action="store_true", help="small shapes and workloads (smoke run)")
+    p.add_argument("--models", default="embedded",
+                   help="comma list of models for the end-to-end and HF sections: 'embedded' (SmolLM2), "
+                        "HF checkpoint dirs or .gguf files (default: embedded)")
+    p.add_argument("--random-model", default=None, metavar="DIR",
+                   help="write a random-weight 0.5B Llama (SmolLM2's tokenizer) to DIR and add it to --models")
+    p.add_argument("--hf-greedy", action="store_true",
+                   help="compare every backend's greedy tokens with HF transformers on the GPU, per model")
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--skip-sweep", action="store_true", help="skip the Triton launch-config sweep")
     p.add_argument("--out", default=None, help="folder for gpu_check.json (default: none written)")
     return p.parse_args(argv)
+
+
+def parse_models(text: str) -> list[str | None]:
+    return [None if m.strip() in ("", "embedded") else m.strip() for m in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,25 +672,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report.device = torch.cuda.get_device_name(torch.device(args.device))
     backends = available_kernel_backends(args.device) if args.backends == "auto" else args.backends.split(",")
+    models = parse_models(args.models)
+    if args.random_model:
+        report.guard("random model", lambda: models.append(write_random_llama(args.random_model, args.device)))
     t0 = time.perf_counter()
+
+    def section(name: str, fn: Callable[[], None]) -> None:
+        """Run one section, then save the report so far (a run cut short keeps what it measured)."""
+        report.guard(name, fn)
+        print(f"[gpu_check] {name} done at {time.perf_counter() - t0:.0f}s", flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+                json.dump(asdict(report), f, indent=1)
+
     if not args.skip_correctness:
-        report.guard("attention correctness", lambda: check_attention(report, args.device, backends, args.quick))
+        section("attention correctness", lambda: check_attention(report, args.device, backends, args.quick))
         if "triton" in backends:
-            report.guard("ops correctness", lambda: check_ops(report, args.device, args.quick))
-            report.guard("cuda graph", lambda: check_cuda_graph(report, args.device))
-    print(f"[gpu_check] correctness done at {time.perf_counter() - t0:.0f}s", flush=True)
+            section("ops correctness", lambda: check_ops(report, args.device, args.quick))
+            section("cuda graph", lambda: check_cuda_graph(report, args.device))
+        if args.hf_greedy:
+            for model in models:
+                section(f"greedy vs HF {model_label(model)}",
+                        lambda model=model: check_hf_greedy(report, args.device, backends, model))
     if not args.skip_bench:
-        report.guard("kernel timing", lambda: bench_attention(report, args.device, backends, args.iters, args.quick))
-        if "triton" in backends and not args.skip_sweep:
-            report.guard("triton sweep", lambda: sweep_triton(report, args.device, args.iters // 2 or 1, args.quick))
-    print(f"[gpu_check] timing done at {time.perf_counter() - t0:.0f}s", flush=True)
+        section("kernel timing", lambda: bench_attention(report, args.device, backends, args.iters, args.quick))
     if not args.skip_e2e:
-        report.guard("end to end", lambda: bench_e2e(report, args.device, backends, args.quick))
-    print(f"[gpu_check] e2e done at {time.perf_counter() - t0:.0f}s", flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(asdict(report), f, indent=1)
+        section("end to end", lambda: bench_e2e(report, args.device, backends, args.quick, models=models))
+    if not args.skip_bench and "triton" in backends and not args.skip_sweep:
+        section("triton sweep", lambda: sweep_triton(report, args.device, args.iters // 2 or 1, args.quick))
     print(format_table(report))
     failed = any(not c["ok"] for c in report.correctness) or bool(report.errors)
     return 1 if failed else 0

@@ -27,10 +27,12 @@ def test_main_without_cuda_exits_2(capsys) -> None:
 
 
 def test_bench_shapes_cover_issue_targets() -> None:
-    shapes = {s.name: s for s in gc.bench_shapes()}
-    decode = next(s for s in shapes.values() if s.kind == "decode")
-    assert len(decode.prefix_lens) == 64 and decode.prefix_lens[0] + 1 == 2048
-    assert any(s.kind == "extend" and s.prefix_lens[0] > 0 for s in shapes.values())
+    shapes = gc.bench_shapes()
+    grid = {(len(s.prefix_lens), s.prefix_lens[0] + 1) for s in shapes if s.kind == "decode" and s.head_dim == 128}
+    assert grid == {(b, ctx) for b in (1, 32, 128) for ctx in (512, 4096)}
+    assert any(s.kind == "extend" and s.prefix_lens[0] > 0 for s in shapes)
+    assert gc.sweep_shape(shapes, "decode").name == "decode b128 ctx4096 32/8x128"
+    assert gc.sweep_shape(shapes, "extend").prefix_lens[0] > 0
     assert all(s.num_q_heads % s.num_kv_heads == 0 for s in gc.bench_shapes(quick=True) + gc.correctness_shapes())
 
 
@@ -98,7 +100,8 @@ def test_workload_prompts_share_prefixes() -> None:
 
 
 def _run_fake_e2e(chat: bool) -> gc.Report:
-    def factory(device, attention_backend, kv_cache_tokens):
+    def factory(model, device, attention_backend, kv_cache_tokens):
+        assert model is None
         return GpuCheckEngine(attention_backend, chat=chat)
     report = gc.Report()
     gc.bench_e2e(report, "cpu", ["torch", "triton"], quick=True, engine_factory=factory)
@@ -107,13 +110,15 @@ def _run_fake_e2e(chat: bool) -> gc.Report:
 
 def test_bench_e2e_builtin_prompts_when_project_workloads_cannot_run() -> None:
     report = _run_fake_e2e(chat=False)
-    assert [e["backend"] for e in report.e2e] == ["torch", "torch", "triton", "triton"]
-    few, branch = report.e2e[0], report.e2e[1]
+    assert [e["backend"] for e in report.e2e] == ["torch"] * 3 + ["triton"] * 3
+    assert {e["model"] for e in report.e2e} == {"SmolLM2-135M"}
+    few, branch = report.e2e[0], report.e2e[2]
     assert few["workload"] == "few-shot" and few["source"] == "builtin" and "built-in" in few["note"]
     assert few["requests"] == 16 and few["tokens"] == 16 * 16
     assert branch["workload"] == "branching" and branch["requests"] == 4 + 8
     assert few["hit_rate"] == pytest.approx(0.5, abs=0.01) and few["same_as_first"] == 1.0
-    assert report.e2e[2]["same_as_first"] == 0.0  # the fake "triton" engine answers differently
+    assert report.e2e[1]["workload"] == "multi-turn" and report.e2e[1]["source"] == "builtin"
+    assert report.e2e[3]["same_as_first"] == 0.0  # the fake "triton" engine answers differently
     table = gc.format_table(report)
     assert "few-shot" in table and "branching" in table
 
@@ -124,7 +129,29 @@ def test_bench_e2e_uses_project_workloads() -> None:
     assert {e["source"] for e in report.e2e} == {"bench.workloads"}, report.e2e
     few = report.e2e[0]
     assert few["requests"] == 8 and few["hit_rate"] == pytest.approx(0.5, abs=0.01)
-    assert report.e2e[0]["same_as_first"] == 1.0 and report.e2e[2]["same_as_first"] == 0.0
+    assert report.e2e[0]["same_as_first"] == 1.0 and report.e2e[3]["same_as_first"] == 0.0
+
+
+def test_parse_models_and_labels() -> None:
+    assert gc.parse_models("embedded, /m/llama-0.5b/,x.gguf") == [None, "/m/llama-0.5b/", "x.gguf"]
+    assert [gc.model_label(m) for m in (None, "/m/llama-0.5b/")] == ["SmolLM2-135M", "llama-0.5b"]
+
+
+def test_hf_greedy_loop_takes_argmax_with_cache_and_keeps_eos() -> None:
+    """The HF reference loop feeds back each argmax with the KV cache and never stops early."""
+    calls = []
+
+    class Out:
+        def __init__(self, logits, past):
+            self.logits, self.past_key_values = logits, past
+
+    def model(input_ids, past_key_values, use_cache):
+        calls.append((input_ids.tolist(), past_key_values))
+        logits = torch.zeros(1, input_ids.shape[1], 5)
+        logits[0, -1, (int(input_ids[0, -1]) + 1) % 5] = 1.0  # next token = last + 1 (mod 5): 4 -> 0 (say EOS)
+        return Out(logits, len(calls))
+    assert gc._hf_greedy(model, [2, 3], 4, "cpu") == [4, 0, 1, 2]
+    assert calls[0] == ([[2, 3]], None) and calls[1] == ([[4]], 1)
 
 
 def test_format_table_lists_failures_and_timings() -> None:
