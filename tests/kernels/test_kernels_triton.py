@@ -65,6 +65,19 @@ def _compile_for(fn, pointer_types: dict, constexprs: dict, arch: int, **options
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+H200_SMEM_OPTIN = 232448  # bytes, as torch reported on an H200 (A100: 166912)
+
+
+def test_extend_default_config_follows_shared_memory() -> None:
+    """128x128 tiles over 3 stages only where a block may take > 200 KiB of shared memory."""
+    from radix_backend.kernels.triton_extend import ExtendConfig, extend_block_sizes
+    assert extend_block_sizes(128, torch.bfloat16, True, H200_SMEM_OPTIN) == ExtendConfig(128, 128, 8, 3)
+    assert extend_block_sizes(128, torch.bfloat16, True, 166912) == ExtendConfig(128, 64, 8)
+    assert extend_block_sizes(64, torch.bfloat16, True, H200_SMEM_OPTIN) == ExtendConfig(128, 64, 4)
+    assert extend_block_sizes(128, torch.float32, True, H200_SMEM_OPTIN) == ExtendConfig(32, 32, 4)
+    assert extend_block_sizes(128, torch.bfloat16, False, H200_SMEM_OPTIN) == ExtendConfig(16, 16, 4)
+
+
 @pytest.mark.skipif(INTERPRET or not _ptxas_available(), reason="needs triton's bundled ptxas, not the interpreter")
 @pytest.mark.parametrize("dtype,dim", [("bf16", 128), ("fp32", 64)])
 def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
@@ -80,12 +93,12 @@ def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
     dec1 = _compile_for(triton_decode._decode_stage1,
                         dict(Q=p, K_CACHE=p, V_CACHE=p, KV_INDPTR=ptr_i64, KV_INDICES=ptr_i64, MID_O=ptr_f32,
                              MID_LSE=ptr_f32, sm_scale_log2="fp32"),
-                        dict(HEADS_PER_PROG=4, PROGS_PER_KV=1, NUM_KV_SPLITS=8, BLOCK_H=16, BLOCK_N=32,
+                        dict(HEADS_PER_PROG=4, PROGS_PER_KV=1, NUM_KV_SPLITS=8, BLOCK_H=16, BLOCK_N=64,
                              BLOCK_D=dim, **dots), 90, num_warps=4, num_stages=2)
     _compile_for(triton_decode._decode_stage2, dict(MID_O=ptr_f32, MID_LSE=ptr_f32, KV_INDPTR=ptr_i64, O=p),
                  dict(NUM_KV_SPLITS=8, BLOCK_D=dim), 90, num_warps=4)
     torch_dtype = _torch.bfloat16 if dtype == "bf16" else _torch.float32
-    cfg = triton_extend.extend_block_sizes(dim, torch_dtype, on_gpu=True)
+    cfg = triton_extend.extend_block_sizes(dim, torch_dtype, on_gpu=True, smem_per_block=H200_SMEM_OPTIN)
     ext = _compile_for(triton_extend._extend_kernel,
                        dict(Q=p, K=p, V=p, K_CACHE=p, V_CACHE=p, QO_INDPTR=ptr_i64, KV_INDPTR=ptr_i64,
                             KV_INDICES=ptr_i64, O=p, sm_scale_log2="fp32"),
