@@ -1,4 +1,4 @@
-"""Framework adapters: LangChain, LlamaIndex and Guidance on the radix engine.
+"""Framework adapters: LangChain, LlamaIndex, Guidance, DSPy and pydantic-ai on the radix engine.
 
 Importing this package imports no framework; each class is loaded on first access, so a
 missing extra only fails (with a MissingDependencyError naming the pip command) when used.
@@ -16,6 +16,8 @@ _LAZY = {
     "MiniLMEmbedding": "llama_index_embeddings",
     "RadixGuidance": "guidance",
     "RadixGuidanceEngine": "guidance",
+    "RadixLM": "dspy",
+    "RadixModel": "pydantic_ai",
 }
 
 __all__ = list(_LAZY)

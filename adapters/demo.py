@@ -1,4 +1,4 @@
-"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex, Guidance and DSPy calls over
+"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex, Guidance, DSPy and pydantic-ai calls over
 one shared system prompt, on the engine the demo already holds. The first three reuse each other's
 KV; DSPy writes its own system prompt (field descriptions first, the instructions after them), so
 it shares little with them, and its line says so."""
@@ -70,3 +70,15 @@ def run_adapter_demo(engine: EngineLike, system: str, max_tokens: int = 24) -> N
         print(f"   DSPy RadixLM Predict -> {str(pred.answer).strip()}  ({_computed_and_cached(engine, before)})")
     except ImportError as exc:
         print(f"   DSPy: skipped ({exc})")
+    try:
+        from pydantic_ai import Agent
+
+        from .pydantic_ai import RadixModel
+
+        before = engine.cache_stats()
+        result = Agent(RadixModel(engine), instructions=system).run_sync(question,
+                                                                         model_settings={"max_tokens": max_tokens})
+        print(f"   pydantic-ai Agent(RadixModel) -> {str(result.output).strip()}  "
+              f"({_computed_and_cached(engine, before)})")
+    except ImportError as exc:
+        print(f"   pydantic-ai: skipped ({exc})")
