@@ -151,6 +151,29 @@ def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer
     return _save_tiny(MistralForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_mistral"))
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_bias_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Llama with `attention_bias` (q, k, v and o) and `mlp_bias`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY_COMMON, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         attention_bias=True, mlp_bias=True, **_token_ids(smollm2_tokenizer))
+    return _save_tiny(LlamaForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_llama_bias"))
+
+
+TINY_WINDOW = 64  # the sliding window of `tiny_mistral_window_dir`: shorter than its 2048 positions
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_window_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Mistral whose sliding window (64) is shorter than its context."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**TINY_COMMON, tie_word_embeddings=False, sliding_window=TINY_WINDOW, rope_theta=10000.0,
+                           rms_norm_eps=1e-5, **_token_ids(smollm2_tokenizer))
+    return _save_tiny(MistralForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_mistral_window"))
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir: Path):
     """An fp32 CPU engine on the tiny Llama, one per test module."""

@@ -22,6 +22,7 @@ from .loader import Checkpoint, iter_weights
 from ..models import build_model
 from ..models.gguf_weights import build_gguf_model
 from ..models.llama import TPShard, check_tp_divisible
+from ..models.config_check import check_model_config
 from ..config import DTYPE_NAMES, TORCH_DTYPES, EngineConfig
 from .quantize import QuantizationReport, gguf_report, native_blocker, quantize_model
 
@@ -98,6 +99,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.config = checkpoint.config  # the model's (HF) config
+        self.limits = check_model_config(self.config)  # before any weight is read
+        if self.limits.sliding_window is not None:
+            logger.info("context limited to the model's sliding window (%d tokens), where full attention is exact",
+                        self.limits.sliding_window)
         check_tp_divisible(self.config, config.tp_size)  # before any process starts
         self.tp: TensorParallel | None = None
         if config.tp_size > 1:
@@ -203,7 +208,8 @@ class ModelRunner:
 
     @property
     def context_length(self) -> int:
-        return int(self.config.max_position_embeddings)
+        """max_position_embeddings, or a sliding window shorter than it (`models/config_check.py`)."""
+        return self.limits.context_length
 
     def forward(self, batch: ForwardInput) -> torch.Tensor:
         """Run the batch; returns float32 logits [len(logits_indices), vocab]. With tensor

@@ -1,5 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the engine's paged KV pool.
 
+Which config fields it honours, and the refusal of every other field that would change the math,
+live in `config_check.py`.
+
 One forward call takes a ragged batch: the new tokens of many requests, flattened, each
 attending to its own cached prefix through the attention backend. Q/K/V and gate/up
 projections are fused into single matmuls, and logits are computed only at the rows asked for.
@@ -138,9 +141,11 @@ class Attention(nn.Module):
         self.all_reduce = all_reduce
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        # Llama / Qwen3 `attention_bias`: q, k, v and o; Qwen2: q, k and v always, never o
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=attention_bias or config.model_type == "qwen2")
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=attention_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -169,8 +174,9 @@ class MLP(nn.Module):
     def __init__(self, config, tp_size: int = 1, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__()
         intermediate = config.intermediate_size // tp_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, config.hidden_size, bias=False)
+        bias = bool(getattr(config, "mlp_bias", False))  # Llama's gate, up and down biases
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, config.hidden_size, bias=bias)
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -330,13 +336,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor: rows of column-parallel weights (and their
-        biases), columns of row-parallel weights; everything else whole."""
+        biases), columns of row-parallel weights; a row-parallel bias on rank 0 only (the ranks'
+        partial products are summed, so each adding it would count it `tp_size` times); everything
+        else whole."""
         if self.tp_size == 1:
             return tensor
         parts = name.split(".")
         if any(p in parts for p in _COLUMN_PARALLEL):
             dim = 0
-        elif any(p in parts for p in _ROW_PARALLEL) and parts[-1] == "weight":
+        elif any(p in parts for p in _ROW_PARALLEL):
+            if parts[-1] == "bias":
+                return tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
             dim = 1
         else:
             return tensor

@@ -1,0 +1,87 @@
+"""Which fields of a model config the Llama-family decoder honours, checked before any weight is read.
+
+Every field of a supported family's config is either honoured by `models/llama.py`, harmless at
+inference (metadata, token ids, dropout, init scales), or refused here by name: a checkpoint whose
+config asks for math this decoder does not do (a GELU MLP, dynamic or long-context RoPE, a
+quantization scheme, an unknown switch that is on) fails to load instead of running silently wrong.
+
+A sliding window is honoured exactly by limiting the context to it: HF's sliding-window mask lets
+a query see the last `sliding_window` positions, so while no sequence is longer than the window,
+full causal attention is the same computation. Longer requests get the usual context-length error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radix_backend.errors import ModelLoadError
+
+# Read by the decoder (llama.py) or, for the rope fields, by its RoPE table.
+HONOURED = frozenset({
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
+    "attention_bias", "mlp_bias", "hidden_act", "rope_parameters", "rope_theta", "rope_scaling",
+    "rope_freq_factors", "sliding_window", "layer_types", "use_sliding_window", "max_window_layers",
+    "architectures", "model_type",
+})
+# No effect on inference: identity and bookkeeping, token ids, dropout (training only), init scales.
+HARMLESS = frozenset({
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+    "pad_token_id", "attention_dropout", "initializer_range", "use_cache", "output_attentions",
+    "output_hidden_states", "return_dict", "chunk_size_feed_forward", "id2label", "label2id",
+    "is_encoder_decoder", "problem_type", "tokenizer_class", "pretraining_tp", "transformers.js_config",
+    "is_llama_config", "tf_legacy_loss", "use_bfloat16", "torchscript", "residual_dropout",
+    "embedding_dropout", "hidden_dropout", "mlp_dropout", "decoder_start_token_id", "sep_token_id",
+    "task_specific_params", "finetuning_task", "prefix", "cross_attention_hidden_size",
+    "add_cross_attention", "tie_encoder_decoder", "pruned_heads",
+})
+SILU = ("silu", "swish")
+# RoPE kinds whose frequencies do not depend on the sequence length (HF's table is built once).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+# Weights that are not plain floats: this decoder loads fp16/bf16/fp32 tensors (and GGUF blocks).
+REFUSED = {"quantization_config": "a quantized checkpoint (GPTQ, AWQ, bitsandbytes, ...) is not supported; "
+                                  "use the fp16/bf16 checkpoint or a GGUF file"}
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the config means for serving: the longest sequence, and the window that set it."""
+
+    context_length: int
+    sliding_window: int | None  # the window when it caps the context, else None
+
+
+def check_model_config(config: Any) -> ModelLimits:
+    """Raise ModelLoadError naming every field whose value would change the math unimplemented."""
+    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    problems = [f"{name}: {why}" for name, why in REFUSED.items() if fields.get(name)]
+    act = fields.get("hidden_act", "silu")
+    if act not in SILU:
+        problems.append(f"hidden_act={act!r} (only SiLU MLPs are implemented)")
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind not in STATIC_ROPE:
+        problems.append(f"rope_type={kind!r} (implemented: {', '.join(STATIC_ROPE)})")
+    if fields.get("mlp_bias") and fields.get("model_type") != "llama":
+        problems.append("mlp_bias (implemented for llama only)")
+    unknown = sorted(name for name, value in fields.items()
+                     if name not in HONOURED and name not in HARMLESS and name not in REFUSED and value
+                     not in (None, False, 0, "", [], {}))
+    if unknown:
+        problems.append(f"unknown fields that are set: {', '.join(unknown)} (not implemented; the model would "
+                        "run without them)")
+    if problems:
+        raise ModelLoadError(f"this {fields.get('model_type', '?')} config asks for what the decoder does not "
+                             "implement: " + "; ".join(problems))
+    return model_limits(fields)
+
+
+def model_limits(fields: dict[str, Any]) -> ModelLimits:
+    """The context length, capped at a sliding window shorter than it (see the module docstring)."""
+    context = int(fields["max_position_embeddings"])
+    window = fields.get("sliding_window")
+    sliding = fields.get("model_type") == "mistral" or "sliding_attention" in (fields.get("layer_types") or [])
+    if sliding and window and int(window) < context:
+        return ModelLimits(int(window), int(window))
+    return ModelLimits(context, None)
