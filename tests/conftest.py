@@ -174,6 +174,34 @@ def tiny_mistral_window_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_to
     return _save_tiny(MistralForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_mistral_window"))
 
 
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Phi-3 (fused qkv and gate_up weights, full rotary)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(**TINY_COMMON, tie_word_embeddings=False, rms_norm_eps=1e-5, **_token_ids(smollm2_tokenizer))
+    return _save_tiny(Phi3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_phi3"))
+
+
+TINY_LONGROPE_ORIGINAL = 256  # `tiny_phi4_dir`'s original_max_position_embeddings (of 1024)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi4_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Phi-4-mini shape: 3/4 of each head rotated, LongRoPE, tied embeddings."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    head_dim = TINY_COMMON["hidden_size"] // TINY_COMMON["num_attention_heads"]
+    rotary_half = int(head_dim * 0.75) // 2
+    common = {**TINY_COMMON, "max_position_embeddings": 1024}
+    config = Phi3Config(**common, tie_word_embeddings=True, rms_norm_eps=1e-5, partial_rotary_factor=0.75,
+                        original_max_position_embeddings=TINY_LONGROPE_ORIGINAL,
+                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(rotary_half)],
+                                      "long_factor": [2.0 + i for i in range(rotary_half)]},
+                        **_token_ids(smollm2_tokenizer))
+    return _save_tiny(Phi3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_phi4"))
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir: Path):
     """An fp32 CPU engine on the tiny Llama, one per test module."""

@@ -100,9 +100,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.config = checkpoint.config  # the model's (HF) config
         self.limits = check_model_config(self.config)  # before any weight is read
-        if self.limits.sliding_window is not None:
-            logger.info("context limited to the model's sliding window (%d tokens), where full attention is exact",
-                        self.limits.sliding_window)
+        if self.limits.capped_by is not None:
+            logger.info("context limited to %d tokens by the model's %s (exact up to there)",
+                        self.limits.context_length, self.limits.capped_by)
         check_tp_divisible(self.config, config.tp_size)  # before any process starts
         self.tp: TensorParallel | None = None
         if config.tp_size > 1:

@@ -7,7 +7,9 @@ quantization scheme, an unknown switch that is on) fails to load instead of runn
 
 A sliding window is honoured exactly by limiting the context to it: HF's sliding-window mask lets
 a query see the last `sliding_window` positions, so while no sequence is longer than the window,
-full causal attention is the same computation. Longer requests get the usual context-length error.
+full causal attention is the same computation. LongRoPE likewise: HF rotates with its short factors
+up to `original_max_position_embeddings` and switches to the long ones beyond, so the context is
+capped there. Longer requests get the usual context-length error.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ HONOURED = frozenset({
     "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
     "attention_bias", "mlp_bias", "hidden_act", "rope_parameters", "rope_theta", "rope_scaling",
     "rope_freq_factors", "sliding_window", "layer_types", "use_sliding_window", "max_window_layers",
-    "architectures", "model_type",
+    "architectures", "model_type", "partial_rotary_factor", "original_max_position_embeddings",
 })
 # No effect on inference: identity and bookkeeping, token ids, dropout (training only), init scales.
 HARMLESS = frozenset({
@@ -34,11 +36,14 @@ HARMLESS = frozenset({
     "is_llama_config", "tf_legacy_loss", "use_bfloat16", "torchscript", "residual_dropout",
     "embedding_dropout", "hidden_dropout", "mlp_dropout", "decoder_start_token_id", "sep_token_id",
     "task_specific_params", "finetuning_task", "prefix", "cross_attention_hidden_size",
-    "add_cross_attention", "tie_encoder_decoder", "pruned_heads",
+    "add_cross_attention", "tie_encoder_decoder", "pruned_heads", "embd_pdrop", "resid_pdrop",
 })
 SILU = ("silu", "swish")
-# RoPE kinds whose frequencies do not depend on the sequence length (HF's table is built once).
+# RoPE kinds whose frequencies do not depend on the sequence length (HF's table is built once), and
+# LongRoPE, whose short factors HF uses up to `original_max_position_embeddings` (the context is
+# capped there, see `model_limits`).
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+SHORT_CONTEXT_ROPE = ("longrope",)
 # Weights that are not plain floats: this decoder loads fp16/bf16/fp32 tensors (and GGUF blocks).
 REFUSED = {"quantization_config": "a quantized checkpoint (GPTQ, AWQ, bitsandbytes, ...) is not supported; "
                                   "use the fp16/bf16 checkpoint or a GGUF file"}
@@ -46,10 +51,10 @@ REFUSED = {"quantization_config": "a quantized checkpoint (GPTQ, AWQ, bitsandbyt
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the config means for serving: the longest sequence, and the window that set it."""
+    """What the config means for serving: the longest sequence, and what capped it (if anything)."""
 
     context_length: int
-    sliding_window: int | None  # the window when it caps the context, else None
+    capped_by: str | None = None  # "sliding window" or "longrope short factors"
 
 
 def check_model_config(config: Any) -> ModelLimits:
@@ -61,8 +66,8 @@ def check_model_config(config: Any) -> ModelLimits:
         problems.append(f"hidden_act={act!r} (only SiLU MLPs are implemented)")
     rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if kind not in STATIC_ROPE:
-        problems.append(f"rope_type={kind!r} (implemented: {', '.join(STATIC_ROPE)})")
+    if kind not in STATIC_ROPE + SHORT_CONTEXT_ROPE:
+        problems.append(f"rope_type={kind!r} (implemented: {', '.join(STATIC_ROPE + SHORT_CONTEXT_ROPE)})")
     if fields.get("mlp_bias") and fields.get("model_type") != "llama":
         problems.append("mlp_bias (implemented for llama only)")
     unknown = sorted(name for name, value in fields.items()
@@ -78,10 +83,18 @@ def check_model_config(config: Any) -> ModelLimits:
 
 
 def model_limits(fields: dict[str, Any]) -> ModelLimits:
-    """The context length, capped at a sliding window shorter than it (see the module docstring)."""
+    """The context length, capped where the full computation equals the model's own only up to a
+    length: a sliding window shorter than the context, LongRoPE's short-factor range."""
     context = int(fields["max_position_embeddings"])
+    limits = ModelLimits(context)
     window = fields.get("sliding_window")
-    sliding = fields.get("model_type") == "mistral" or "sliding_attention" in (fields.get("layer_types") or [])
-    if sliding and window and int(window) < context:
-        return ModelLimits(int(window), int(window))
-    return ModelLimits(context, None)
+    sliding = fields.get("model_type") in ("mistral", "phi3") or "sliding_attention" in (fields.get("layer_types") or [])
+    if sliding and window and int(window) < limits.context_length:
+        limits = ModelLimits(int(window), "sliding window")
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in SHORT_CONTEXT_ROPE:
+        original = int(rope.get("original_max_position_embeddings") or fields.get("original_max_position_embeddings")
+                       or context)
+        if original < limits.context_length:
+            limits = ModelLimits(original, "longrope short factors")
+    return limits

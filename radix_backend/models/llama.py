@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the engine's paged KV pool.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) over the engine's paged KV pool.
 
 Which config fields it honours, and the refusal of every other field that would change the math,
 live in `config_check.py`.
@@ -40,8 +40,10 @@ DECODE_STACK_MAX_TOKENS = 64
 DENSE_DECODE_STACK_MAX_TOKENS = 8
 
 SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
 )
+# Projections the engine fuses; Phi-3 checkpoints store them fused already (q|k|v, gate|up)
+_FUSED = ("qkv_proj", "gate_up_proj")
 # HF weight names split along the output dim (column-parallel) or the input dim (row-parallel)
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
@@ -74,41 +76,41 @@ def check_tp_divisible(config, tp_size: int) -> None:
 
 
 def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] = cos half then sin half, with HF's rope scaling applied, and a
+    """[max_positions, rotary_dim] = cos half then sin half, with HF's rope scaling applied, and a
     GGUF's per-frequency factors (`rope_freq_factors`, Llama 3's rope_freqs.weight: each
-    frequency divided by its factor, as llama.cpp does)."""
-    simple = _default_or_linear_rope(config)
-    if simple is not None:  # HF's formula, without importing its modeling code (~1 s of start-up)
-        theta, factor = simple
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)) / factor
+    frequency divided by its factor, as llama.cpp does). `rotary_dim` is the head's rotated part
+    (`partial_rotary_factor` of it: Phi-4-mini rotates 3/4); the rest passes through unrotated."""
+    params = rope_parameters(config)
+    kind = params.get("rope_type", params.get("type", "default"))
+    rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    if kind in ("default", "linear"):  # HF's formula, without importing its modeling code (~1 s of start-up)
+        theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        factor = float(params.get("factor", 1.0)) if kind == "linear" else 1.0
+        inv_freq = ops.default_inv_freq(rotary_dim, theta) / factor
         attention_scaling = 1.0
-    else:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    else:  # llama3, yarn, longrope: HF's own initialisation (longrope: its short factors, see config_check)
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        rope = LlamaRotaryEmbedding(config=config)
-        inv_freq, attention_scaling = rope.inv_freq, float(rope.attention_scaling)
-    if inv_freq.numel() * 2 != head_dim:
-        raise ValueError(f"partial rotary embeddings are not supported (rotary dim {inv_freq.numel() * 2}, head_dim {head_dim})")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, None)
+        attention_scaling = float(attention_scaling)
+    if inv_freq.numel() * 2 != rotary_dim:
+        raise ValueError(f"rope {kind!r} gave {inv_freq.numel() * 2} rotary dims, expected {rotary_dim}")
     factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:
         inv_freq = inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
     return ops.build_cos_sin_cache(inv_freq, max_positions, attention_scaling)
 
 
-def _default_or_linear_rope(config) -> tuple[float, float] | None:
-    """(theta, linear factor) when the config's RoPE is HF's "default" or "linear" kind over the
-    whole head (transformers' `rope_parameters`), else None (other kinds use HF's own code)."""
+def rope_parameters(config) -> dict:
+    """The config's RoPE settings (transformers 5 `rope_parameters`, or the older `rope_scaling` plus
+    top-level `rope_theta` / `partial_rotary_factor`)."""
     params = getattr(config, "rope_parameters", None)
-    if not isinstance(params, dict) or "rope_theta" not in params:
-        return None
-    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        return None
-    kind = params.get("rope_type", "default")
-    if kind == "default":
-        return float(params["rope_theta"]), 1.0
-    if kind == "linear" and "factor" in params:
-        return float(params["rope_theta"]), float(params["factor"])
-    return None
+    if isinstance(params, dict) and params:
+        return params
+    legacy = dict(getattr(config, "rope_scaling", None) or {})
+    legacy.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    legacy.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return legacy
 
 
 class Linear(nn.Linear):
@@ -278,8 +280,8 @@ class LlamaForCausalLM(nn.Module):
         `nn.Linear`s on the CPU) and the layers are plain Llama ones (no q/k norms, one process).
         Returns whether it was set up."""
         attn = self.layers[0].self_attn
-        if attn.qk_norm or self.tp_size != 1:
-            return False
+        if attn.qk_norm or self.tp_size != 1 or self.cos_sin_cache.shape[-1] != attn.head_dim:
+            return False  # the stack's attention has no q/k norms and rotates whole heads
         weights = []
         for layer in self.layers:
             packed = [_native_weight(lin) for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -314,7 +316,19 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            fused = next((f for f in _FUSED if f".{f}." in name), None)
+            if fused is not None and self.tp_size > 1:
+                raise ValueError(f"a checkpoint with fused {fused} weights cannot be sharded over tp_size="
+                                 f"{self.tp_size} yet; run it with tp_size=1")
             tensor = self._tp_slice(name, tensor)
+            if fused is not None and name in params:  # stored fused: every shard at once
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                     f"model {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                loaded.update(f"{name}#{i}" for i in range(3 if fused == "qkv_proj" else 2))
+                continue
             for src, (dst, shard) in stacked.items():
                 if f".{src}." in name:
                     target = name.replace(f".{src}.", f".{dst}.")
