@@ -1,4 +1,4 @@
-"""Framework adapters: LangChain, LlamaIndex, Guidance, DSPy and pydantic-ai on the radix engine.
+"""Framework adapters: LangChain, LlamaIndex, Guidance, DSPy, pydantic-ai and smolagents on the radix engine.
 
 Importing this package imports no framework; each class is loaded on first access, so a
 missing extra only fails (with a MissingDependencyError naming the pip command) when used.
@@ -18,6 +18,7 @@ _LAZY = {
     "RadixGuidanceEngine": "guidance",
     "RadixLM": "dspy",
     "RadixModel": "pydantic_ai",
+    "RadixSmolModel": "smolagents",
 }
 
 __all__ = list(_LAZY)

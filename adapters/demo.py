@@ -1,4 +1,4 @@
-"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex, Guidance, DSPy and pydantic-ai calls over
+"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex, Guidance, DSPy, pydantic-ai and smolagents calls over
 one shared system prompt, on the engine the demo already holds. The first three reuse each other's
 KV; DSPy writes its own system prompt (field descriptions first, the instructions after them), so
 it shares little with them, and its line says so."""
@@ -82,3 +82,12 @@ def run_adapter_demo(engine: EngineLike, system: str, max_tokens: int = 24) -> N
               f"({_computed_and_cached(engine, before)})")
     except ImportError as exc:
         print(f"   pydantic-ai: skipped ({exc})")
+    try:
+        from .smolagents import RadixSmolModel
+
+        before = engine.cache_stats()
+        reply = RadixSmolModel(engine, max_tokens=max_tokens).generate(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}])
+        print(f"   smolagents RadixSmolModel -> {str(reply.content).strip()}  ({_computed_and_cached(engine, before)})")
+    except ImportError as exc:
+        print(f"   smolagents: skipped ({exc})")

@@ -1,0 +1,205 @@
+"""smolagents adapter: `CodeAgent(tools, model=RadixSmolModel())` runs agents on the in-process engine.
+
+`RadixSmolModel` implements smolagents' `Model` (`generate`, `generate_stream`) on the process-shared
+engine by default. An agent resends its long system prompt (tool descriptions, examples) and the
+growing memory on every step; the radix cache computes them once.
+
+Tool calls (`ToolCallingAgent`) decode under the JSON schema of the offered tools' calls
+(`radix_backend.tool_calls`), so every call parses into `ChatMessage.tool_calls`; a
+`response_format` JSON schema (`CodeAgent(use_structured_outputs_internally=True)`) decodes under
+that schema; stop sequences end generation in the engine. An unset temperature runs greedy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+from ._common import require, resolve_engine
+
+require("smolagents", "smolagents")
+
+from smolagents.models import (  # noqa: E402
+    ChatMessage,
+    ChatMessageStreamDelta,
+    ChatMessageToolCall,
+    ChatMessageToolCallFunction,
+    ChatMessageToolCallStreamDelta,
+    MessageRole,
+    Model,
+)
+from smolagents.monitoring import TokenUsage  # noqa: E402
+
+from radix_backend.engine_like import EngineLike  # noqa: E402
+from radix_backend.errors import InvalidRequestError  # noqa: E402
+from radix_backend.outputs import GenerateOutput, RequestMeta  # noqa: E402
+from radix_backend.paths import public_model_name  # noqa: E402
+from radix_backend.sampling_params import SamplingParams  # noqa: E402
+from radix_backend.tool_calls import (  # noqa: E402
+    TOOL_CALL_MIN_TOKENS,
+    ToolSpec,
+    close_objects,
+    parse_tool_reply,
+    tool_call_schema,
+    tool_instructions,
+    with_system_text,
+)
+
+__all__ = ["RadixSmolModel"]
+
+DEFAULT_MAX_TOKENS = 1024  # a CodeAgent step writes a thought and a code block
+# Completion kwargs the engine honours; any other one a caller passes is refused by name.
+SUPPORTED_KWARGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty")
+
+
+@dataclass
+class Prepared:
+    """One smolagents call ready for the engine."""
+
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    tool_mode: bool  # the reply is a constrained tool-call JSON to parse
+
+
+def _tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
+    return [ToolSpec(t["function"]["name"], t["function"].get("description", ""), t["function"]["parameters"])
+            for t in tools]
+
+
+def _choose(specs: list[ToolSpec], tool_choice: Any) -> tuple[list[ToolSpec], bool]:
+    """(tools the reply may call, whether text is allowed) for smolagents' tool_choice."""
+    if tool_choice in (None, "auto"):
+        return specs, True
+    if tool_choice == "required":
+        return specs, False
+    if tool_choice == "none":
+        return [], True
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else tool_choice
+    chosen = [s for s in specs if s.name == name]
+    if not chosen:
+        raise InvalidRequestError(f"tool_choice {tool_choice!r} names no offered tool; offered: {[s.name for s in specs]}")
+    return chosen, False
+
+
+def _response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        if "schema" not in spec:
+            raise InvalidRequestError("response_format json_schema has no 'schema'")
+        return close_objects(spec["schema"])
+    if kind == "json_object":
+        return {"type": "object"}
+    raise InvalidRequestError(f"response_format type {kind!r} is not supported; use json_schema or json_object")
+
+
+def _holds_image(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+    return isinstance(content, list) and any(isinstance(e, dict) and e.get("type") == "image" for e in content)
+
+
+def _as_parts(message: Any) -> Any:
+    """An OpenAI-style dict with string content in smolagents' own form (a list of text parts)."""
+    if isinstance(message, dict) and isinstance(message.get("content"), str):
+        return {**message, "content": [{"type": "text", "text": message["content"]}]}
+    return message
+
+
+def _usage(meta: RequestMeta | None) -> TokenUsage:
+    return TokenUsage(input_tokens=meta.prompt_tokens if meta else 0, output_tokens=meta.completion_tokens if meta else 0)
+
+
+def _tool_calls(text: str, finish_reason: str | None) -> tuple[str, list[ChatMessageToolCall]]:
+    if finish_reason == "length":
+        raise InvalidRequestError("the tool call was cut off by max_tokens; raise max_tokens")
+    parsed = parse_tool_reply(text)
+    return parsed.text, [ChatMessageToolCall(function=ChatMessageToolCallFunction(name=c["name"], arguments=c["args"]),
+                                             id=c["id"], type="function") for c in parsed.calls]
+
+
+class RadixSmolModel(Model):
+    """smolagents `Model` on the radix engine (the process-shared one unless `engine` is given).
+
+    `model` picks another checkpoint for the shared engine's first creation, as `get_engine` does;
+    further keyword arguments are default completion kwargs (`max_tokens`, `temperature`, ...).
+    """
+
+    def __init__(self, engine: EngineLike | None = None, *, model: str | None = None, **kwargs: Any) -> None:
+        unsupported = sorted(set(kwargs) - set(SUPPORTED_KWARGS))
+        if unsupported:
+            raise InvalidRequestError(f"not supported by the radix smolagents model: {', '.join(unsupported)}")
+        self.engine = resolve_engine(engine, model)
+        super().__init__(flatten_messages_as_text=True, model_id=public_model_name(self.engine.model_id), **kwargs)
+
+    @property
+    def supports_stop_parameter(self) -> bool:
+        return True
+
+    def _prepare(self, messages: list[Any], stop_sequences: list[str] | None, response_format: dict[str, Any] | None,
+                 tools_to_call_from: list[Any] | None, kwargs: dict[str, Any]) -> Prepared:
+        if any(_holds_image(m) for m in messages):
+            raise InvalidRequestError("this engine takes text messages only (no images)")
+        messages = [_as_parts(m) for m in messages]
+        completion = self._prepare_completion_kwargs(messages=messages, stop_sequences=stop_sequences,
+                                                     tools_to_call_from=tools_to_call_from, **kwargs)
+        engine_messages = [{"role": str(getattr(m["role"], "value", m["role"])), "content": m.get("content") or ""}
+                           for m in completion.pop("messages")]
+        stop = completion.pop("stop", None) or []
+        tools, tool_choice = completion.pop("tools", None), completion.pop("tool_choice", None)
+        unsupported = sorted(set(completion) - set(SUPPORTED_KWARGS))
+        if unsupported:
+            raise InvalidRequestError(f"not supported by the radix smolagents model: {', '.join(unsupported)}")
+        temperature = completion.get("temperature")
+        params = SamplingParams(
+            max_new_tokens=completion.get("max_tokens") or DEFAULT_MAX_TOKENS,
+            temperature=0.0 if temperature is None else temperature, top_p=completion.get("top_p", 1.0),
+            top_k=completion.get("top_k") or -1, seed=completion.get("seed"), stop=list(stop),
+            frequency_penalty=completion.get("frequency_penalty", 0.0),
+            presence_penalty=completion.get("presence_penalty", 0.0), json_schema=_response_schema(response_format))
+        specs, allow_text = _choose(_tool_specs(tools), tool_choice) if tools else ([], True)
+        if specs:
+            if params.json_schema is not None:
+                raise InvalidRequestError("tools and a response_format cannot be combined in one call")
+            params = params.copy(json_schema=tool_call_schema(specs, allow_text=allow_text), stop=[],
+                                 max_new_tokens=max(params.max_new_tokens, TOOL_CALL_MIN_TOKENS))
+            engine_messages = with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text))
+        params.validate()
+        return Prepared(engine_messages, params, bool(specs))
+
+    def generate(self, messages: list[Any], stop_sequences: list[str] | None = None,
+                 response_format: dict[str, Any] | None = None, tools_to_call_from: list[Any] | None = None,
+                 **kwargs: Any) -> ChatMessage:
+        prepared = self._prepare(messages, stop_sequences, response_format, tools_to_call_from, kwargs)
+        out: GenerateOutput = self.engine.generate(messages=prepared.messages, params=prepared.params)
+        content, calls = (out.text, None) if not prepared.tool_mode else _tool_calls(out.text, out.finish_reason)
+        return ChatMessage(role=MessageRole.ASSISTANT, content=content or None if calls else content,
+                           tool_calls=calls or None, raw={"text": out.text, "finish_reason": out.finish_reason},
+                           token_usage=_usage(out.meta))
+
+    def generate_stream(self, messages: list[Any], stop_sequences: list[str] | None = None,
+                        response_format: dict[str, Any] | None = None, tools_to_call_from: list[Any] | None = None,
+                        **kwargs: Any) -> Generator[ChatMessageStreamDelta]:
+        """Text token by token; a tool call once its constrained JSON is complete. Usage comes with
+        the last delta."""
+        prepared = self._prepare(messages, stop_sequences, response_format, tools_to_call_from, kwargs)
+        text: list[str] = []
+        for chunk in self.engine.stream(messages=prepared.messages, params=prepared.params):
+            if prepared.tool_mode:
+                text.append(chunk.text)
+            elif chunk.text:
+                yield ChatMessageStreamDelta(content=chunk.text)
+            if chunk.finish_reason is not None:
+                usage = _usage(chunk.meta)
+                if not prepared.tool_mode:
+                    yield ChatMessageStreamDelta(token_usage=usage)
+                    continue
+                content, calls = _tool_calls("".join(text), chunk.finish_reason)
+                deltas = [ChatMessageToolCallStreamDelta(
+                    index=i, id=c.id, type="function",
+                    function=ChatMessageToolCallFunction(name=c.function.name, arguments=json.dumps(c.function.arguments)))
+                    for i, c in enumerate(calls)]
+                yield ChatMessageStreamDelta(content=content or None, tool_calls=deltas or None, token_usage=usage)
