@@ -1,4 +1,5 @@
-"""Framework adapters: LangChain, LlamaIndex, Guidance, DSPy, pydantic-ai and smolagents on the radix engine.
+"""Framework adapters: LangChain, LlamaIndex, Guidance, DSPy, pydantic-ai, smolagents and Haystack on the
+radix engine.
 
 Importing this package imports no framework; each class is loaded on first access, so a
 missing extra only fails (with a MissingDependencyError naming the pip command) when used.
@@ -19,6 +20,7 @@ _LAZY = {
     "RadixLM": "dspy",
     "RadixModel": "pydantic_ai",
     "RadixSmolModel": "smolagents",
+    "RadixChatGenerator": "haystack",
 }
 
 __all__ = list(_LAZY)

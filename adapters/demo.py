@@ -1,4 +1,5 @@
-"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex, Guidance, DSPy, pydantic-ai and smolagents calls over
+"""The adapters part of `radix-backend demo`: LangChain, LlamaIndex, Guidance, DSPy, pydantic-ai, smolagents and
+Haystack calls over
 one shared system prompt, on the engine the demo already holds. The first three reuse each other's
 KV; DSPy writes its own system prompt (field descriptions first, the instructions after them), so
 it shares little with them, and its line says so."""
@@ -91,3 +92,14 @@ def run_adapter_demo(engine: EngineLike, system: str, max_tokens: int = 24) -> N
         print(f"   smolagents RadixSmolModel -> {str(reply.content).strip()}  ({_computed_and_cached(engine, before)})")
     except ImportError as exc:
         print(f"   smolagents: skipped ({exc})")
+    try:
+        from haystack.dataclasses import ChatMessage as HaystackMessage
+
+        from .haystack import RadixChatGenerator
+
+        before = engine.cache_stats()
+        reply = RadixChatGenerator(engine, generation_kwargs={"max_tokens": max_tokens}).run(
+            [HaystackMessage.from_system(system), HaystackMessage.from_user(question)])["replies"][0]
+        print(f"   Haystack RadixChatGenerator -> {str(reply.text).strip()}  ({_computed_and_cached(engine, before)})")
+    except ImportError as exc:
+        print(f"   Haystack: skipped ({exc})")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["HAYSTACK_TELEMETRY_ENABLED"] = "False"  # Haystack would post usage events (tests are offline)
 # Tests compare the engine with HF transformers' fp32 outputs, so engines built without an explicit
 # `quantization=` run the fp32 reference path. The quantized default ("auto": int4 on GGUF models)
 # is tested against that reference in test_quantized.py, and the example scripts run with it.

@@ -1,0 +1,232 @@
+"""Haystack adapter: `RadixChatGenerator`, a Haystack chat generator component on the in-process engine.
+
+Drop it into a pipeline or an `Agent` where `OpenAIChatGenerator` would go: `run` / `run_async` take
+Haystack `ChatMessage`s (and `tools`), return `{"replies": [...]}`, stream through
+`streaming_callback`, and serialize with the pipeline (`to_dict` / `from_dict`). All generators in
+a process share one engine and one radix cache, so a RAG pipeline's fixed instructions and retrieved
+passages, or an agent's growing history, are computed once.
+
+Tool calls decode under the JSON schema of the offered tools' calls (`radix_backend.tool_calls`), so
+they always parse into `ChatMessage.tool_calls`; `response_format` (a JSON schema or a pydantic
+class) decodes under its schema. Usage in `meta["usage"]` reports the cache's hits as
+`prompt_tokens_details.cached_tokens`. Generation kwargs the engine would ignore are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ._common import Usage, require, resolve_engine, sampling_params, to_json_schema
+
+require("haystack", "haystack", "haystack-ai")
+
+from haystack import component, default_from_dict, default_to_dict  # noqa: E402
+from haystack.dataclasses import ChatMessage, ChatRole, ComponentInfo, StreamingChunk, ToolCall  # noqa: E402
+from haystack.dataclasses.streaming_chunk import ToolCallDelta, select_streaming_callback  # noqa: E402
+from haystack.tools import deserialize_tools_or_toolset_inplace, flatten_tools_or_toolsets  # noqa: E402
+from haystack.tools import serialize_tools_or_toolset  # noqa: E402
+from haystack.utils import deserialize_callable, serialize_callable  # noqa: E402
+
+from radix_backend.engine_like import EngineLike  # noqa: E402
+from radix_backend.errors import InvalidRequestError  # noqa: E402
+from radix_backend.outputs import GenerateOutput  # noqa: E402
+from radix_backend.paths import public_model_name  # noqa: E402
+from radix_backend.sampling_params import SamplingParams  # noqa: E402
+from radix_backend.tool_calls import (TOOL_CALL_MIN_TOKENS, ToolSpec, parse_tool_reply,  # noqa: E402
+                                      tool_call_schema, tool_instructions, with_system_text)
+
+__all__ = ["RadixChatGenerator"]
+
+DEFAULT_MAX_TOKENS = 512
+_CALL_KWARGS = ("response_format", "tool_choice", "parallel_tool_calls")  # shape the reply, not the sampler
+
+
+def to_engine_message(message: ChatMessage) -> dict[str, str]:
+    """A Haystack message as the engine's {"role", "content"} dict (tool calls in the model's JSON shape)."""
+    if message.images or message.files:
+        raise InvalidRequestError("this engine takes text messages only (no images or files)")
+    if message.role == ChatRole.TOOL:
+        result = message.tool_call_result
+        if result is None or not isinstance(result.result, str):
+            raise InvalidRequestError("a tool message needs a text tool_call_result")
+        return {"role": "tool", "content": result.result}
+    if message.role == ChatRole.ASSISTANT and message.tool_calls:
+        calls = [{"name": c.tool_name, "arguments": c.arguments} for c in message.tool_calls]
+        return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
+    return {"role": message.role.value, "content": message.text or ""}
+
+
+def tool_plan(tools: list[Any], tool_choice: Any) -> tuple[list[ToolSpec], bool]:
+    """(tools the reply may call, whether text is allowed), OpenAI's tool_choice semantics."""
+    specs = [ToolSpec(t.name, t.description or "", t.parameters) for t in tools]
+    if not specs or tool_choice == "none":
+        return [], True
+    if tool_choice in (None, "auto"):
+        return specs, True
+    if tool_choice == "required":
+        return specs, False
+    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else tool_choice
+    chosen = [s for s in specs if s.name == name]
+    if not chosen:
+        raise InvalidRequestError(f"tool_choice {tool_choice!r} names no offered tool; offered: {[s.name for s in specs]}")
+    return chosen, False
+
+
+def _response_schema(response_format: Any) -> dict[str, Any] | None:
+    if response_format is None:
+        return None
+    if isinstance(response_format, dict) and response_format.get("type") == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        if "schema" not in spec:
+            raise InvalidRequestError("response_format json_schema has no 'schema'")
+        return to_json_schema(spec["schema"])[0]
+    if isinstance(response_format, dict) and response_format.get("type") == "json_object":
+        return {"type": "object"}
+    return to_json_schema(response_format)[0]  # a pydantic class or a bare JSON schema
+
+
+@component
+class RadixChatGenerator:
+    """Haystack chat generator on the radix engine (the process-shared one unless `engine` is given).
+
+    `model` picks another checkpoint for the shared engine's first creation, as `get_engine` does;
+    `generation_kwargs` are defaults for every run (`max_tokens`, `temperature`, `stop`, ...,
+    `response_format`, `tool_choice`); `tools` are offered on every run unless `run` passes its own.
+    """
+
+    def __init__(self, engine: EngineLike | None = None, *, model: str | None = None,
+                 generation_kwargs: dict[str, Any] | None = None, streaming_callback: Any = None,
+                 tools: Any = None) -> None:
+        self._engine = engine
+        self.model = model
+        self.generation_kwargs = dict(generation_kwargs or {})
+        self.streaming_callback = streaming_callback
+        self.tools = tools
+        self._split_kwargs(self.generation_kwargs)  # refuse unknown names at construction
+
+    @property
+    def engine(self) -> EngineLike:
+        if self._engine is None:
+            self._engine = resolve_engine(None, self.model)
+        return self._engine
+
+    def warm_up(self) -> None:
+        """Load the shared engine now (pipelines call this before the first run)."""
+        _ = self.engine
+
+    def to_dict(self) -> dict[str, Any]:
+        return default_to_dict(self, model=self.model, generation_kwargs=self.generation_kwargs,
+                               streaming_callback=serialize_callable(self.streaming_callback)
+                               if self.streaming_callback else None,
+                               tools=serialize_tools_or_toolset(self.tools))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RadixChatGenerator:
+        params = data.get("init_parameters", {})
+        if params.get("streaming_callback"):
+            params["streaming_callback"] = deserialize_callable(params["streaming_callback"])
+        deserialize_tools_or_toolset_inplace(params, key="tools")
+        return default_from_dict(cls, data)
+
+    @staticmethod
+    def _split_kwargs(kwargs: dict[str, Any]) -> tuple[SamplingParams, dict[str, Any]]:
+        sampler = {k: v for k, v in kwargs.items() if k not in _CALL_KWARGS}
+        if "max_completion_tokens" in sampler:
+            sampler["max_tokens"] = sampler.pop("max_completion_tokens")
+        if isinstance(sampler.get("stop"), str):
+            sampler["stop"] = [sampler["stop"]]
+        sampler.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
+        sampler.setdefault("temperature", 0.0)  # an unset temperature runs greedy
+        return sampling_params({}, sampler), {k: kwargs[k] for k in _CALL_KWARGS if k in kwargs}
+
+    def _prepare(self, messages: list[ChatMessage] | str, generation_kwargs: dict[str, Any] | None,
+                 tools: Any) -> tuple[list[dict[str, str]], SamplingParams, bool]:
+        if isinstance(messages, str):
+            messages = [ChatMessage.from_user(messages)]
+        if not messages:
+            raise InvalidRequestError("messages must not be empty")
+        params, call = self._split_kwargs({**self.generation_kwargs, **(generation_kwargs or {})})
+        engine_messages = [to_engine_message(m) for m in messages]
+        specs, allow_text = tool_plan(flatten_tools_or_toolsets(tools if tools is not None else self.tools),
+                                      call.get("tool_choice"))
+        if specs:
+            if call.get("response_format") is not None:
+                raise InvalidRequestError("tools and response_format cannot be combined in one call")
+            schema = tool_call_schema(specs, allow_text=allow_text, parallel=bool(call.get("parallel_tool_calls")))
+            params = params.copy(json_schema=schema, stop=[],
+                                 max_new_tokens=max(params.max_new_tokens, TOOL_CALL_MIN_TOKENS))
+            return with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text)), params, True
+        schema = _response_schema(call.get("response_format"))
+        return engine_messages, (params if schema is None else params.copy(json_schema=schema)), False
+
+    def _reply(self, text: str, finish_reason: str | None, usage: Usage, tool_mode: bool) -> ChatMessage:
+        calls: list[ToolCall] = []
+        if tool_mode:
+            if finish_reason == "length":
+                raise InvalidRequestError("the tool call was cut off by max_tokens; raise max_tokens")
+            parsed = parse_tool_reply(text)
+            text, calls = parsed.text, [ToolCall(tool_name=c["name"], arguments=c["args"], id=c["id"])
+                                        for c in parsed.calls]
+        reason = "tool_calls" if calls else ("length" if finish_reason == "length" else "stop")
+        meta = {"model": public_model_name(self.engine.model_id), "index": 0, "finish_reason": reason,
+                "usage": usage.as_openai()}
+        return ChatMessage.from_assistant(text=text or (None if calls else ""), tool_calls=calls, meta=meta)
+
+    @component.output_types(replies=list[ChatMessage])
+    def run(self, messages: list[ChatMessage] | str, streaming_callback: Any = None,
+            generation_kwargs: dict[str, Any] | None = None, *, tools: Any = None,
+            tools_strict: bool | None = None) -> dict[str, list[ChatMessage]]:
+        """One reply to `messages` (`tools_strict` is accepted: tool calls are always schema-exact)."""
+        engine_messages, params, tool_mode = self._prepare(messages, generation_kwargs, tools)
+        callback = select_streaming_callback(self.streaming_callback, streaming_callback, requires_async=False)
+        if callback is None:
+            out: GenerateOutput = self.engine.generate(messages=engine_messages, params=params)
+            return {"replies": [self._reply(out.text, out.finish_reason, Usage.from_meta(out.meta), tool_mode)]}
+        chunks = self.engine.stream(messages=engine_messages, params=params)
+        return {"replies": [self._streamed(chunks, callback, tool_mode)]}
+
+    @component.output_types(replies=list[ChatMessage])
+    async def run_async(self, messages: list[ChatMessage] | str, streaming_callback: Any = None,
+                        generation_kwargs: dict[str, Any] | None = None, *, tools: Any = None,
+                        tools_strict: bool | None = None) -> dict[str, list[ChatMessage]]:
+        engine_messages, params, tool_mode = self._prepare(messages, generation_kwargs, tools)
+        callback = select_streaming_callback(self.streaming_callback, streaming_callback, requires_async=True)
+        if callback is None:
+            out = await self.engine.agenerate(messages=engine_messages, params=params)
+            return {"replies": [self._reply(out.text, out.finish_reason, Usage.from_meta(out.meta), tool_mode)]}
+        text, last, info = [], None, ComponentInfo.from_component(self)
+        async for chunk in self.engine.astream(messages=engine_messages, params=params):
+            last = chunk
+            text.append(chunk.text)
+            for event in self._chunk_events(chunk, info, tool_mode, len(text) == 1, "".join(text)):
+                await callback(event)
+        return {"replies": [self._reply("".join(text), last.finish_reason if last else None,
+                                        Usage.from_meta(last.meta if last else None), tool_mode)]}
+
+    def _streamed(self, chunks: Any, callback: Any, tool_mode: bool) -> ChatMessage:
+        text, last, info = [], None, ComponentInfo.from_component(self)
+        for chunk in chunks:
+            last = chunk
+            text.append(chunk.text)
+            for event in self._chunk_events(chunk, info, tool_mode, len(text) == 1, "".join(text)):
+                callback(event)
+        return self._reply("".join(text), last.finish_reason if last else None,
+                           Usage.from_meta(last.meta if last else None), tool_mode)
+
+    def _chunk_events(self, chunk: Any, info: ComponentInfo, tool_mode: bool, first: bool,
+                      so_far: str) -> list[StreamingChunk]:
+        """Text streams token by token; a tool call is one chunk once its JSON is complete."""
+        meta = {"model": public_model_name(self.engine.model_id)}
+        done = chunk.finish_reason is not None
+        if not tool_mode:
+            reason = ("length" if chunk.finish_reason == "length" else "stop") if done else None
+            return [StreamingChunk(content=chunk.text, meta=meta, component_info=info, index=0, start=first,
+                                   finish_reason=reason)]
+        if not done:
+            return []
+        reply = self._reply(so_far, chunk.finish_reason, Usage.from_meta(chunk.meta), True)
+        deltas = [ToolCallDelta(index=i, tool_name=c.tool_name, arguments=json.dumps(c.arguments), id=c.id)
+                  for i, c in enumerate(reply.tool_calls)]
+        return [StreamingChunk(content=reply.text or "", meta=meta, component_info=info, index=0, start=True,
+                               tool_calls=deltas or None, finish_reason=reply.meta["finish_reason"])]
