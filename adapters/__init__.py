@@ -1,5 +1,6 @@
 """Framework adapters: LangChain, LlamaIndex, Guidance, DSPy, pydantic-ai, smolagents and Haystack on the
-radix engine.
+radix engine (the OpenAI SDK in process, for instructor and other OpenAI-client libraries, is
+`radix_backend.server.openai_client`).
 
 Importing this package imports no framework; each class is loaded on first access, so a
 missing extra only fails (with a MissingDependencyError naming the pip command) when used.
