@@ -33,8 +33,9 @@ from radix_backend.errors import InvalidRequestError  # noqa: E402
 from radix_backend.outputs import GenerateOutput  # noqa: E402
 from radix_backend.paths import public_model_name  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
-from radix_backend.tool_calls import (TOOL_CALL_MIN_TOKENS, ToolSpec, parse_tool_reply,  # noqa: E402
-                                      tool_call_schema, tool_instructions, with_system_text)
+from radix_backend.tool_calls import (TOOL_CALL_MIN_TOKENS, ToolSpec, choose_tools,  # noqa: E402
+                                      parse_complete_tool_reply, tool_call_schema, tool_instructions,
+                                      with_system_text)
 
 __all__ = ["RadixChatGenerator"]
 
@@ -55,22 +56,6 @@ def to_engine_message(message: ChatMessage) -> dict[str, str]:
         calls = [{"name": c.tool_name, "arguments": c.arguments} for c in message.tool_calls]
         return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
     return {"role": message.role.value, "content": message.text or ""}
-
-
-def tool_plan(tools: list[Any], tool_choice: Any) -> tuple[list[ToolSpec], bool]:
-    """(tools the reply may call, whether text is allowed), OpenAI's tool_choice semantics."""
-    specs = [ToolSpec(t.name, t.description or "", t.parameters) for t in tools]
-    if not specs or tool_choice == "none":
-        return [], True
-    if tool_choice in (None, "auto"):
-        return specs, True
-    if tool_choice == "required":
-        return specs, False
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else tool_choice
-    chosen = [s for s in specs if s.name == name]
-    if not chosen:
-        raise InvalidRequestError(f"tool_choice {tool_choice!r} names no offered tool; offered: {[s.name for s in specs]}")
-    return chosen, False
 
 
 def _response_schema(response_format: Any) -> dict[str, Any] | None:
@@ -148,8 +133,9 @@ class RadixChatGenerator:
             raise InvalidRequestError("messages must not be empty")
         params, call = self._split_kwargs({**self.generation_kwargs, **(generation_kwargs or {})})
         engine_messages = [to_engine_message(m) for m in messages]
-        specs, allow_text = tool_plan(flatten_tools_or_toolsets(tools if tools is not None else self.tools),
-                                      call.get("tool_choice"))
+        offered = flatten_tools_or_toolsets(tools if tools is not None else self.tools)
+        specs, allow_text = choose_tools([ToolSpec(t.name, t.description or "", t.parameters) for t in offered],
+                                         call.get("tool_choice"))
         if specs:
             if call.get("response_format") is not None:
                 raise InvalidRequestError("tools and response_format cannot be combined in one call")
@@ -163,9 +149,7 @@ class RadixChatGenerator:
     def _reply(self, text: str, finish_reason: str | None, usage: Usage, tool_mode: bool) -> ChatMessage:
         calls: list[ToolCall] = []
         if tool_mode:
-            if finish_reason == "length":
-                raise InvalidRequestError("the tool call was cut off by max_tokens; raise max_tokens")
-            parsed = parse_tool_reply(text)
+            parsed = parse_complete_tool_reply(text, finish_reason)
             text, calls = parsed.text, [ToolCall(tool_name=c["name"], arguments=c["args"], id=c["id"])
                                         for c in parsed.calls]
         reason = "tool_calls" if calls else ("length" if finish_reason == "length" else "stop")

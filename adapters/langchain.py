@@ -34,6 +34,8 @@ from ._common import (
     with_system_text,
 )
 
+from radix_backend.tool_calls import choose_tools  # noqa: E402
+
 require("langchain_core", "langchain", "langchain-core")
 
 from langchain_core.callbacks import (  # noqa: E402
@@ -207,16 +209,7 @@ def _tool_specs(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[Too
     for tool in tools:
         fn = convert_to_openai_tool(tool)["function"]
         specs.append(ToolSpec(fn["name"], fn.get("description", ""), fn.get("parameters") or {}))
-    if tool_choice in (None, "auto"):
-        return specs, True
-    if tool_choice in ("any", "required", True):
-        return specs, False
-    if isinstance(tool_choice, dict):
-        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-    chosen = [s for s in specs if s.name == tool_choice]
-    if not chosen:
-        raise InvalidRequestError(f"tool_choice {tool_choice!r} names no bound tool; bound: {[s.name for s in specs]}")
-    return chosen, False
+    return choose_tools(specs, tool_choice)
 
 
 def _ai_message(out: GenerateOutput, tool_mode: bool, model_name: str, chunk: bool = False) -> AIMessage:

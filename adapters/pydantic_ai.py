@@ -63,7 +63,7 @@ from radix_backend.tool_calls import (  # noqa: E402
     ParsedToolReply,
     ToolSpec,
     close_objects,
-    parse_tool_reply,
+    parse_complete_tool_reply,
     tool_call_schema,
     tool_instructions,
     with_system_text,
@@ -199,9 +199,7 @@ def reply_parts(text: str, tool_mode: bool, reason: str | None) -> list[ModelRes
     """The engine's reply as response parts: text, or the constrained JSON's tool calls."""
     if not tool_mode:
         return [TextPart(text)] if text else []
-    if reason == "length":
-        raise InvalidRequestError("the tool call was cut off by max_tokens; raise max_tokens in the model settings")
-    parsed: ParsedToolReply = parse_tool_reply(text)
+    parsed: ParsedToolReply = parse_complete_tool_reply(text, reason)
     parts: list[ModelResponsePart] = [TextPart(parsed.text)] if parsed.text else []
     parts += [ToolCallPart(c["name"], c["args"], tool_call_id=c["id"]) for c in parsed.calls]
     return parts

@@ -41,7 +41,8 @@ from radix_backend.tool_calls import (  # noqa: E402
     TOOL_CALL_MIN_TOKENS,
     ToolSpec,
     close_objects,
-    parse_tool_reply,
+    choose_tools,
+    parse_complete_tool_reply,
     tool_call_schema,
     tool_instructions,
     with_system_text,
@@ -66,21 +67,6 @@ class Prepared:
 def _tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
     return [ToolSpec(t["function"]["name"], t["function"].get("description", ""), t["function"]["parameters"])
             for t in tools]
-
-
-def _choose(specs: list[ToolSpec], tool_choice: Any) -> tuple[list[ToolSpec], bool]:
-    """(tools the reply may call, whether text is allowed) for smolagents' tool_choice."""
-    if tool_choice in (None, "auto"):
-        return specs, True
-    if tool_choice == "required":
-        return specs, False
-    if tool_choice == "none":
-        return [], True
-    name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else tool_choice
-    chosen = [s for s in specs if s.name == name]
-    if not chosen:
-        raise InvalidRequestError(f"tool_choice {tool_choice!r} names no offered tool; offered: {[s.name for s in specs]}")
-    return chosen, False
 
 
 def _response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -114,9 +100,7 @@ def _usage(meta: RequestMeta | None) -> TokenUsage:
 
 
 def _tool_calls(text: str, finish_reason: str | None) -> tuple[str, list[ChatMessageToolCall]]:
-    if finish_reason == "length":
-        raise InvalidRequestError("the tool call was cut off by max_tokens; raise max_tokens")
-    parsed = parse_tool_reply(text)
+    parsed = parse_complete_tool_reply(text, finish_reason)
     return parsed.text, [ChatMessageToolCall(function=ChatMessageToolCallFunction(name=c["name"], arguments=c["args"]),
                                              id=c["id"], type="function") for c in parsed.calls]
 
@@ -160,7 +144,7 @@ class RadixSmolModel(Model):
             top_k=completion.get("top_k") or -1, seed=completion.get("seed"), stop=list(stop),
             frequency_penalty=completion.get("frequency_penalty", 0.0),
             presence_penalty=completion.get("presence_penalty", 0.0), json_schema=_response_schema(response_format))
-        specs, allow_text = _choose(_tool_specs(tools), tool_choice) if tools else ([], True)
+        specs, allow_text = choose_tools(_tool_specs(tools or []), tool_choice)
         if specs:
             if params.json_schema is not None:
                 raise InvalidRequestError("tools and a response_format cannot be combined in one call")

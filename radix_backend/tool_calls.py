@@ -95,6 +95,32 @@ class ParsedToolReply:
     calls: list[dict[str, Any]]  # [{"name", "args", "id"}]
 
 
+def choose_tools(specs: list[ToolSpec], tool_choice: Any) -> tuple[list[ToolSpec], bool]:
+    """(tools the reply may call, whether a plain-text reply is allowed) for an OpenAI-style
+    `tool_choice`: None/"auto", "none", "required" (also LangChain's "any" and True), or one tool
+    named as a string, `{"name": ...}` or `{"type": "function", "function": {"name": ...}}`."""
+    if not specs or tool_choice == "none":
+        return [], True
+    if tool_choice in (None, "auto"):
+        return specs, True
+    if tool_choice in ("required", "any", True):
+        return specs, False
+    name = tool_choice
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    chosen = [s for s in specs if s.name == name]
+    if not chosen:
+        raise InvalidRequestError(f"tool_choice {tool_choice!r} names no offered tool; offered: {[s.name for s in specs]}")
+    return chosen, False
+
+
+def parse_complete_tool_reply(raw: str, finish_reason: str | None) -> ParsedToolReply:
+    """`parse_tool_reply` of a finished reply; one that max_tokens cut off is an error saying so."""
+    if finish_reason == "length":
+        raise InvalidRequestError("the tool call was cut off by max_tokens; raise max_tokens")
+    return parse_tool_reply(raw)
+
+
 def parse_tool_reply(raw: str) -> ParsedToolReply:
     """Split a constrained tool-call reply into plain text or tool calls."""
     try:

@@ -299,7 +299,7 @@ def test_tool_choice_named_and_invalid_reply() -> None:
     schema = eng.calls[-1].params[0].json_schema
     assert "anyOf" not in schema and schema["properties"]["name"] == {"const": "get_weather"}
     assert msg.tool_calls == [] and len(msg.invalid_tool_calls) == 1
-    with pytest.raises(InvalidRequestError, match="names no bound tool"):
+    with pytest.raises(InvalidRequestError, match="names no offered tool"):
         RadixChatModel(engine=eng).bind_tools([add], tool_choice="nope").invoke("x")
 
 
