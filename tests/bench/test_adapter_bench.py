@@ -31,3 +31,17 @@ def test_adapters_bench_small() -> None:
     assert guided["agreement"] == "2/2"
     table = ab.format_results({"a": batch, "b": chat, "c": guided})
     assert "langchain-batch" in table and "guidance" in table
+
+
+@pytest.mark.slow
+def test_dspy_workload_runs_in_process_and_over_http() -> None:
+    """The DSPy row: the same optimizer run on RadixLM and on dspy.LM over HTTP to a
+    `radix-backend serve` process (both sides timed, the in-process side's cache counted)."""
+    pytest.importorskip("dspy")
+    from radix_backend.bench import adapters_bench as ab
+    from radix_backend.engine import get_engine
+
+    row = ab.bench_dspy(get_engine(), None, train=2, test=2)
+    assert row["baseline"] == "dspy.LM over HTTP" and row["radix_s"] > 0 and row["hf_s"] > 0
+    assert row["calls"] >= 2 and row["cached_tokens"] > 0  # DSPy resends its instructions: cache hits
+    assert "dspy-bootstrap" in ab.format_results({"dspy": row})
