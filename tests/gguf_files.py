@@ -1,4 +1,4 @@
-"""Make GGUF model files for tests: tiny random Llama/Qwen2/Qwen3 models, or the embedded SmolLM2
+"""Make GGUF model files for tests: tiny random Llama/Qwen2/Qwen3/Phi-3 models, or the embedded SmolLM2
 re-quantized, in any of the supported tensor types.
 
 gguf's own numpy quantizers cover Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the float types; the K-quants
@@ -107,6 +107,8 @@ class ModelSpec:
     types: dict[str, str] = field(default_factory=dict)  # tensor suffix ("attn_q") -> type; default "Q8_0"
     metadata: dict[str, object] = field(default_factory=dict)  # extra "<arch>.<key>" values
     rope_freqs: np.ndarray | None = None
+    rotary: int | None = None  # rotated dims per head (default: all); phi3 may rotate a part
+    longrope: tuple[np.ndarray, np.ndarray] | None = None  # phi3 (long, short) factors
 
 
 def _copy_tokenizer(writer, vocab: int) -> None:
@@ -144,7 +146,7 @@ def write_model(path: Path, spec: ModelSpec, seed: int = 0) -> Path:
     writer.add_head_count_kv(spec.kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(spec.rotary or head_dim)
     writer.add_key_length(head_dim)  # as llama.cpp's converter writes it (transformers needs it for qwen3)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(spec.vocab)
@@ -169,11 +171,17 @@ def write_model(path: Path, spec: ModelSpec, seed: int = 0) -> Path:
         matrix("output.weight", spec.vocab, spec.hidden, "output")
     if spec.rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", spec.rope_freqs.astype(np.float32))
+    if spec.longrope is not None:  # as llama.cpp's converter writes a Phi-3 LongRoPE model
+        writer.add_tensor("rope_factors_long.weight", spec.longrope[0].astype(np.float32))
+        writer.add_tensor("rope_factors_short.weight", spec.longrope[1].astype(np.float32))
+    fused = spec.arch == "phi3"  # q|k|v in attn_qkv, gate|up in ffn_up
     kv = spec.kv_heads * head_dim
     for i in range(spec.layers):
         vector(f"blk.{i}.attn_norm.weight", spec.hidden)
         vector(f"blk.{i}.ffn_norm.weight", spec.hidden)
-        for part, rows in (("attn_q", spec.hidden), ("attn_k", kv), ("attn_v", kv)):
+        if fused:
+            matrix(f"blk.{i}.attn_qkv.weight", spec.hidden + 2 * kv, spec.hidden, "attn_qkv")
+        for part, rows in () if fused else (("attn_q", spec.hidden), ("attn_k", kv), ("attn_v", kv)):
             matrix(f"blk.{i}.{part}.weight", rows, spec.hidden, part)
             if spec.bias:
                 vector(f"blk.{i}.{part}.bias", rows, center=0.0)
@@ -181,8 +189,9 @@ def write_model(path: Path, spec: ModelSpec, seed: int = 0) -> Path:
             vector(f"blk.{i}.attn_q_norm.weight", head_dim)
             vector(f"blk.{i}.attn_k_norm.weight", head_dim)
         matrix(f"blk.{i}.attn_output.weight", spec.hidden, spec.hidden, "attn_output")
-        matrix(f"blk.{i}.ffn_gate.weight", spec.ff, spec.hidden, "ffn_gate")
-        matrix(f"blk.{i}.ffn_up.weight", spec.ff, spec.hidden, "ffn_up")
+        if not fused:
+            matrix(f"blk.{i}.ffn_gate.weight", spec.ff, spec.hidden, "ffn_gate")
+        matrix(f"blk.{i}.ffn_up.weight", spec.ff * (2 if fused else 1), spec.hidden, "ffn_up")
         matrix(f"blk.{i}.ffn_down.weight", spec.hidden, spec.ff, "ffn_down")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

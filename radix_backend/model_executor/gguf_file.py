@@ -4,7 +4,9 @@ The file is memory-mapped (`gguf.GGUFReader`); nothing is dequantized here. Befo
 touched, the architecture and every metadata field the model would act on are checked: a field
 we would otherwise ignore (rope scaling we do not apply, a sliding window, experts, an activation
 we do not implement) is a `ModelLoadError` naming it, never a silent approximation. Llama 3's
-`rope_freqs.weight` is applied (it divides the rotary frequencies, as in llama.cpp).
+`rope_freqs.weight` is applied (it divides the rotary frequencies, as in llama.cpp); a Phi-3 file's
+fused q|k|v and gate|up tensors, rotated head part, sliding window and LongRoPE factor pair are read
+as llama.cpp's converter writes them.
 
 Tensor names become the HF ones the model loads (`hf_name`); llama.cpp's converter permutes the
 rows of a Llama model's q/k weights for its interleaved RoPE, which is undone here (rows only, so
@@ -33,12 +35,16 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3"),
 }
 # per-architecture metadata keys (after "<arch>.") that the model honours
 HONOURED = {"context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
             "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base",
             "rope.dimension_count", "attention.key_length", "attention.value_length", "vocab_size",
             "rope.scaling.type", "rope.scaling.factor"}
+# keys honoured for one architecture only (elsewhere, e.g. a llama file's sliding window, refused)
+ARCH_HONOURED = {"phi3": {"rope.scaling.original_context_length", "attention.sliding_window",
+                          "rope.scaling.attn_factor"}}
 # other key families that do not change the math
 HARMLESS_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
 _LAYER_TENSORS = {
@@ -50,8 +56,12 @@ _LAYER_TENSORS = {
     "attn_k_norm.weight": "self_attn.k_norm.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Phi-3 files keep HF's fused projections: q|k|v in attn_qkv, gate|up in ffn_up
+_FUSED_TENSORS = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
 _GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                    "output.weight": "lm_head.weight"}
+# per-frequency RoPE factors, read into the config: Llama 3's divisors, Phi-3's LongRoPE pair
+_ROPE_FACTOR_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -173,12 +183,13 @@ def open_gguf(path: Path) -> GGUFModel:
                              f"{', '.join(ARCHITECTURES)}")
     if int(meta.get("split.count", 1) or 1) > 1:
         raise ModelLoadError(f"{path.name} is one part of a split GGUF; merge the parts first (llama-gguf-split --merge)")
+    honoured = HONOURED | ARCH_HONOURED.get(arch, set())
     unknown = sorted(k for k in meta if not k.startswith(HARMLESS_PREFIXES) and not k.startswith("split.")
-                     and not (k.startswith(arch + ".") and k[len(arch) + 1:] in HONOURED))
+                     and not (k.startswith(arch + ".") and k[len(arch) + 1:] in honoured))
     if unknown:
         raise ModelLoadError(f"{path.name}: metadata field(s) {', '.join(unknown)} would change the model's math "
                              "and are not implemented; refusing to run it approximately")
-    tensors, rope_factors = _tensors(path, infos, mapped)
+    tensors, rope_factors = _tensors(path, arch, infos, mapped)
     config = _config(path, arch, meta, tensors, rope_factors)
     _unpermute_qk(arch, config, tensors)
     return GGUFModel(path, arch, config, tensors)
@@ -193,9 +204,10 @@ def _require(meta: dict[str, Any], key: str, path: Path) -> Any:
     return value
 
 
-def _tensors(path: Path, infos: list[_TensorInfo], mapped: np.memmap) -> tuple[dict[str, ggml.RawTensor], np.ndarray | None]:
+def _tensors(path: Path, arch: str, infos: list[_TensorInfo],
+             mapped: np.memmap) -> tuple[dict[str, ggml.RawTensor], dict[str, np.ndarray]]:
     tensors: dict[str, ggml.RawTensor] = {}
-    rope_factors = None
+    rope_factors: dict[str, np.ndarray] = {}
     for info in infos:
         kind = info.ggml_type
         ggml.check_supported(kind, f"{path.name}: tensor {info.name}")
@@ -209,27 +221,29 @@ def _tensors(path: Path, infos: list[_TensorInfo], mapped: np.memmap) -> tuple[d
         if info.offset + size > mapped.shape[0]:
             raise ModelLoadError(f"{path.name}: tensor {info.name} runs past the end of the file (truncated?)")
         data = mapped[info.offset:info.offset + size].reshape(rows, -1)
-        if info.name == "rope_freqs.weight":
-            rope_factors = ggml.dequantize(ggml.RawTensor(info.name, kind, rows, cols, data)).reshape(-1).numpy()
+        if info.name in _ROPE_FACTOR_TENSORS:
+            raw = ggml.RawTensor(info.name, kind, rows, cols, data)
+            rope_factors[info.name] = ggml.dequantize(raw).reshape(-1).numpy()
             continue
-        name = _hf_name(path, info.name)
+        name = _hf_name(path, arch, info.name)
         if name in tensors:
             raise ModelLoadError(f"{path.name}: tensor {info.name} appears twice")
         tensors[name] = ggml.RawTensor(info.name, kind, rows, cols, data)
     return tensors, rope_factors
 
 
-def _hf_name(path: Path, name: str) -> str:
+def _hf_name(path: Path, arch: str, name: str) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     match = _LAYER_NAME.fullmatch(name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    layer_names = {**_LAYER_TENSORS, **_FUSED_TENSORS} if arch == "phi3" else _LAYER_TENSORS
+    if match and match.group(2) in layer_names:
+        return f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
     raise ModelLoadError(f"{path.name}: tensor {name!r} is not part of a model we implement (would be ignored)")
 
 
 def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml.RawTensor],
-            rope_factors: np.ndarray | None) -> PretrainedConfig:
+            rope_factors: dict[str, np.ndarray]) -> PretrainedConfig:
     import transformers
 
     class_name, hf_arch, model_type = ARCHITECTURES[arch]
@@ -242,9 +256,10 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
     head_dim = int(get("attention.key_length", hidden // heads))
     if int(get("attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(f"{path.name}: different key and value head sizes are not supported")
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    rotary_dims = int(get("rope.dimension_count", head_dim))
+    if rotary_dims != head_dim and arch != "phi3":
         raise ModelLoadError(f"{path.name}: partial rotary embeddings ({arch}.rope.dimension_count="
-                             f"{get('rope.dimension_count')}, head size {head_dim}) are not supported")
+                             f"{rotary_dims}, head size {head_dim}) are not supported for {arch}")
     rope_scaling = None
     scaling = get("rope.scaling.type", "none")
     if scaling == "linear":
@@ -275,13 +290,40 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
     if arch == "llama":
         kwargs["attention_bias"] = bias
+    if arch == "phi3":
+        kwargs.update(_phi3_kwargs(path, get, rotary_dims, head_dim, rope_factors))
+    elif set(rope_factors) - {"rope_freqs.weight"}:
+        raise ModelLoadError(f"{path.name}: LongRoPE factor tensors in a {arch} model are not supported")
     config = config_class(**kwargs)
-    if rope_factors is not None:
-        if rope_factors.shape[0] != head_dim // 2:
-            raise ModelLoadError(f"{path.name}: rope_freqs.weight has {rope_factors.shape[0]} values for head size "
+    factors = rope_factors.get("rope_freqs.weight")
+    if factors is not None:
+        if factors.shape[0] != head_dim // 2:
+            raise ModelLoadError(f"{path.name}: rope_freqs.weight has {factors.shape[0]} values for head size "
                                  f"{head_dim}")
-        config.rope_freq_factors = [float(v) for v in rope_factors]  # read by the model's RoPE table
+        config.rope_freq_factors = [float(v) for v in factors]  # read by the model's RoPE table
     return config
+
+
+def _phi3_kwargs(path: Path, get: Any, rotary_dims: int, head_dim: int,
+                 rope_factors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Phi-3's fields as llama.cpp's converter writes them: rotated part of each head, sliding
+    window (0: none, Phi-4), LongRoPE as a long/short factor tensor pair and the original context."""
+    window = int(get("attention.sliding_window", 0))
+    out: dict[str, Any] = dict(partial_rotary_factor=rotary_dims / head_dim, sliding_window=window or None,
+                               original_max_position_embeddings=int(get("rope.scaling.original_context_length",
+                                                                        get("context_length"))))
+    long, short = rope_factors.get("rope_factors_long.weight"), rope_factors.get("rope_factors_short.weight")
+    if (long is None) != (short is None):
+        raise ModelLoadError(f"{path.name}: LongRoPE needs both rope_factors_long and rope_factors_short")
+    if long is not None:
+        if long.shape[0] != rotary_dims // 2 or short.shape[0] != rotary_dims // 2:
+            raise ModelLoadError(f"{path.name}: LongRoPE factors must have {rotary_dims // 2} values")
+        out["rope_scaling"] = {"rope_type": "longrope", "long_factor": [float(v) for v in long],
+                               "short_factor": [float(v) for v in short]}
+        attn_factor = get("rope.scaling.attn_factor", 0.0)
+        if attn_factor:
+            out["rope_scaling"]["attention_factor"] = float(attn_factor)
+    return out
 
 
 def _unpermute_qk(arch: str, config, tensors: dict[str, ggml.RawTensor]) -> None:

@@ -36,9 +36,15 @@ def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCaus
         p = f"layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-        attn.qkv_proj = quant.GGUFLinear([raw(f"{n}.weight") for n in qkv], [bias(f"{n}.bias") for n in qkv])
+        if f"{p}self_attn.qkv_proj.weight" in tensors:  # Phi-3 files store q|k|v (and gate|up) fused
+            attn.qkv_proj = quant.GGUFLinear([raw(f"{p}self_attn.qkv_proj.weight")])
+        else:
+            attn.qkv_proj = quant.GGUFLinear([raw(f"{n}.weight") for n in qkv], [bias(f"{n}.bias") for n in qkv])
         attn.o_proj = quant.GGUFLinear([raw(f"{p}self_attn.o_proj.weight")])
-        mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_proj.weight"), raw(f"{p}mlp.up_proj.weight")])
+        if f"{p}mlp.gate_up_proj.weight" in tensors:
+            mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_up_proj.weight")])
+        else:
+            mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_proj.weight"), raw(f"{p}mlp.up_proj.weight")])
         mlp.down_proj = quant.GGUFLinear([raw(f"{p}mlp.down_proj.weight")])
     model.embed_tokens = quant.GGUFEmbedding(raw("embed_tokens.weight"))
     head = "embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"

@@ -32,6 +32,9 @@ SPECS = {
                               types={"token_embd": "F16", "output": "Q8_0", "attn_q": "F16", "attn_k": "F32",
                                      "attn_v": "Q4_1", "attn_output": "Q8_0", "ffn_gate": "Q5_1", "ffn_up": "Q4_K",
                                      "ffn_down": "Q5_0"}),
+    "phi3-fused": ModelSpec(arch="phi3", hidden=256, ff=512, heads=4, kv_heads=2,
+                            types={"attn_qkv": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "attn_output": "Q8_0"},
+                            metadata={"attention.sliding_window": 0, "rope.scaling.original_context_length": 2048}),
 }
 PROMPTS = ["Hello there", "What is a cat?", "One two three four five six"]
 
@@ -186,3 +189,27 @@ def test_smollm2_requantized_like_q4_k_m(tmp_path):
             Engine(str(path), kv_cache_tokens=4096, quantization="none") as ref:
         assert [o.token_ids for o in exact.generate(messages=prompts, params=params)] == \
             [o.token_ids for o in ref.generate(messages=prompts, params=params)]
+
+
+def test_phi4_mini_shape_partial_rotary_and_longrope(tmp_path):
+    """What llama.cpp's converter writes for Phi-4-mini: 3/4 of each head rotated, LongRoPE as a
+    long/short factor pair: read into the config, the context capped at the original length (where
+    HF uses the short factors), the file's own types tracking the fp32 reference."""
+    rotary = 48  # of 64 per head
+    factors = (np.linspace(2.0, 8.0, rotary // 2), np.linspace(1.0, 1.5, rotary // 2))
+    spec = ModelSpec(arch="phi3", hidden=256, ff=512, heads=4, kv_heads=2, tied=True, rotary=rotary, longrope=factors,
+                     metadata={"attention.sliding_window": 0, "rope.scaling.original_context_length": 512,
+                               "rope.scaling.attn_factor": 1.1})
+    path = write_model(tmp_path / "phi4.gguf", spec)
+    config = resolve_checkpoint(path).config
+    assert config.rope_parameters["rope_type"] == "longrope"
+    assert config.rope_parameters["short_factor"] == pytest.approx(list(factors[1]))
+    with Engine(str(path), kv_cache_tokens=1024, quantization="auto") as eng, \
+            Engine(str(path), kv_cache_tokens=1024, quantization="none") as ref:
+        assert eng.context_length == 512 and eng.runner.model.cos_sin_cache.shape[-1] == rotary
+        for prompt in PROMPTS:
+            ids = eng.encode(prompt)
+            assert relative_error(eng.next_token_logits(ids), ref.next_token_logits(ids)) < 5e-2
+    with pytest.raises(ModelLoadError, match="attention.sliding_window"):
+        resolve_checkpoint(write_model(tmp_path / "llama.gguf", ModelSpec(layers=1, metadata={
+            "attention.sliding_window": 64})))
