@@ -184,6 +184,17 @@ def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -
     return _save_tiny(Phi3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_phi3"))
 
 
+@pytest.fixture(scope="session")
+def tiny_granite_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Granite: embedding, attention, residual and logit multipliers."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(**TINY_COMMON, tie_word_embeddings=True, rms_norm_eps=1e-5, embedding_multiplier=12.0,
+                           attention_multiplier=0.1, residual_multiplier=0.22, logits_scaling=8.0,
+                           **_token_ids(smollm2_tokenizer))
+    return _save_tiny(GraniteForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_granite"))
+
+
 TINY_LONGROPE_ORIGINAL = 256  # `tiny_phi4_dir`'s original_max_position_embeddings (of 1024)
 
 

@@ -26,6 +26,7 @@ HONOURED = frozenset({
     "attention_bias", "mlp_bias", "hidden_act", "rope_parameters", "rope_theta", "rope_scaling",
     "rope_freq_factors", "sliding_window", "layer_types", "use_sliding_window", "max_window_layers",
     "architectures", "model_type", "partial_rotary_factor", "original_max_position_embeddings",
+    "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier",
 })
 # No effect on inference: identity and bookkeeping, token ids, dropout (training only), init scales.
 HARMLESS = frozenset({
@@ -68,8 +69,8 @@ def check_model_config(config: Any) -> ModelLimits:
     kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if kind not in STATIC_ROPE + SHORT_CONTEXT_ROPE:
         problems.append(f"rope_type={kind!r} (implemented: {', '.join(STATIC_ROPE + SHORT_CONTEXT_ROPE)})")
-    if fields.get("mlp_bias") and fields.get("model_type") != "llama":
-        problems.append("mlp_bias (implemented for llama only)")
+    if fields.get("mlp_bias") and fields.get("model_type") not in ("llama", "granite"):
+        problems.append("mlp_bias (implemented for llama and granite only)")
     unknown = sorted(name for name, value in fields.items()
                      if name not in HONOURED and name not in HARMLESS and name not in REFUSED and value
                      not in (None, False, 0, "", [], {}))

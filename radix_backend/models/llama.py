@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM) over the engine's paged KV pool.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM) over the engine's paged KV pool.
 
 Which config fields it honours, and the refusal of every other field that would change the math,
 live in `config_check.py`.
@@ -41,6 +41,7 @@ DENSE_DECODE_STACK_MAX_TOKENS = 8
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "GraniteForCausalLM",
 )
 # Projections the engine fuses; Phi-3 checkpoints store them fused already (q|k|v, gate|up)
 _FUSED = ("qkv_proj", "gate_up_proj")
@@ -113,6 +114,11 @@ def rope_parameters(config) -> dict:
     return legacy
 
 
+def residual_multiplier(config) -> float:
+    """Granite's scale of each attention / MLP output before its residual add (1 elsewhere)."""
+    return float(getattr(config, "residual_multiplier", 1.0)) if config.model_type == "granite" else 1.0
+
+
 class Linear(nn.Linear):
     """nn.Linear through `ops.linear` (oneDNN for fp32 on the CPU)."""
 
@@ -152,7 +158,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.scale = self.head_dim ** -0.5
+        # Granite sets the attention scale itself and scales each block's output before the residual add
+        self.scale = float(config.attention_multiplier) if config.model_type == "granite" else self.head_dim ** -0.5
+        self.out_scale = residual_multiplier(config)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
@@ -167,6 +175,8 @@ class Attention(nn.Module):
         q, k = ops.apply_rotary(q, k, positions, cos_sin)
         out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         out = self.o_proj(out.reshape(n, self.q_size))
+        if self.out_scale != 1.0:
+            out = out * self.out_scale
         if self.all_reduce is not None:
             self.all_reduce(out)  # row-parallel: sum the ranks' partial products
         return out
@@ -180,6 +190,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, config.hidden_size, bias=bias)
         self.all_reduce = all_reduce
+        self.out_scale = residual_multiplier(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -187,6 +198,8 @@ class MLP(nn.Module):
         # then the activation is computed in fp32 as before and down_proj takes the bf16 directly
         act = ops.silu_and_mul(gate_up, fp32_math=gate_up.dtype != x.dtype)
         out = self.down_proj(act).to(x.dtype)
+        if self.out_scale != 1.0:
+            out = out * self.out_scale
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
@@ -231,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        granite = config.model_type == "granite"  # its embedding and logit scales (1 elsewhere)
+        self.embedding_multiplier = float(config.embedding_multiplier) if granite else 1.0
+        self.logits_scaling = float(config.logits_scaling) if granite else 1.0
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         head_dim = self.layers[0].self_attn.head_dim
@@ -252,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
         backend.begin_forward(meta)
         cos_sin = self.cos_sin_cache
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         stack = self.decode_stack
         if (stack is not None and input_ids.shape[0] <= stack.max_tokens
                 and (slots := backend.native_decode_slots(meta)) is not None and stack.bind(kv_caches)):
@@ -280,8 +298,8 @@ class LlamaForCausalLM(nn.Module):
         `nn.Linear`s on the CPU) and the layers are plain Llama ones (no q/k norms, one process).
         Returns whether it was set up."""
         attn = self.layers[0].self_attn
-        if attn.qk_norm or self.tp_size != 1 or self.cos_sin_cache.shape[-1] != attn.head_dim:
-            return False  # the stack's attention has no q/k norms and rotates whole heads
+        if attn.qk_norm or self.tp_size != 1 or self.cos_sin_cache.shape[-1] != attn.head_dim or attn.out_scale != 1.0:
+            return False  # the stack's layers have no q/k norms or output scales and rotate whole heads
         weights = []
         for layer in self.layers:
             packed = [_native_weight(lin) for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -300,8 +318,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_quant is not None:
-            return self.lm_head_quant(hidden).float()
-        return ops.linear(hidden, self.lm_head_weight).float()
+            logits = self.lm_head_quant(hidden).float()
+        else:
+            logits = ops.linear(hidden, self.lm_head_weight).float()
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

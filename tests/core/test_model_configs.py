@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from radix_backend import Engine, SamplingParams
 from radix_backend.errors import InvalidRequestError, ModelLoadError
@@ -16,7 +16,7 @@ from radix_backend.models.config_check import HARMLESS, HONOURED, ModelLimits, c
 
 from conftest import TINY_LONGROPE_ORIGINAL, TINY_WINDOW
 
-FAMILIES = [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config]
+FAMILIES = [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, GraniteConfig]
 
 
 @pytest.mark.parametrize("config_class", FAMILIES, ids=lambda c: c.__name__)

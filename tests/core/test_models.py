@@ -18,7 +18,7 @@ def hf_greedy(model_dir, prompt_ids: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_mistral_dir", "tiny_llama_bias_dir",
-                                     "tiny_mistral_window_dir", "tiny_phi3_dir", "tiny_phi4_dir"])
+                                     "tiny_mistral_window_dir", "tiny_phi3_dir", "tiny_phi4_dir", "tiny_granite_dir"])
 def test_greedy_matches_hf(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     with Engine(str(model_dir), kv_cache_tokens=4096) as engine:
