@@ -17,7 +17,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
-from ._common import require, resolve_engine
+from ._common import require, resolve_engine, sampling_params
 
 require("smolagents", "smolagents")
 
@@ -50,9 +50,8 @@ from radix_backend.tool_calls import (  # noqa: E402
 
 __all__ = ["RadixSmolModel"]
 
-DEFAULT_MAX_TOKENS = 1024  # a CodeAgent step writes a thought and a code block
-# Completion kwargs the engine honours; any other one a caller passes is refused by name.
-SUPPORTED_KWARGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty")
+# a CodeAgent step writes a thought and a code block; an unset temperature runs greedy
+GREEDY_DEFAULTS = {"max_tokens": 1024, "temperature": 0.0}
 
 
 @dataclass
@@ -109,13 +108,12 @@ class RadixSmolModel(Model):
     """smolagents `Model` on the radix engine (the process-shared one unless `engine` is given).
 
     `model` picks another checkpoint for the shared engine's first creation, as `get_engine` does;
-    further keyword arguments are default completion kwargs (`max_tokens`, `temperature`, ...).
+    further keyword arguments are default completion kwargs (`max_tokens`, `temperature`, ...,
+    any `SamplingParams` field); an unknown one is an error.
     """
 
     def __init__(self, engine: EngineLike | None = None, *, model: str | None = None, **kwargs: Any) -> None:
-        unsupported = sorted(set(kwargs) - set(SUPPORTED_KWARGS))
-        if unsupported:
-            raise InvalidRequestError(f"not supported by the radix smolagents model: {', '.join(unsupported)}")
+        sampling_params(GREEDY_DEFAULTS, kwargs)  # an unknown name is an error now, not at the first call
         self.engine = resolve_engine(engine, model)
         super().__init__(flatten_messages_as_text=True, model_id=public_model_name(self.engine.model_id), **kwargs)
 
@@ -134,16 +132,8 @@ class RadixSmolModel(Model):
                            for m in completion.pop("messages")]
         stop = completion.pop("stop", None) or []
         tools, tool_choice = completion.pop("tools", None), completion.pop("tool_choice", None)
-        unsupported = sorted(set(completion) - set(SUPPORTED_KWARGS))
-        if unsupported:
-            raise InvalidRequestError(f"not supported by the radix smolagents model: {', '.join(unsupported)}")
-        temperature = completion.get("temperature")
-        params = SamplingParams(
-            max_new_tokens=completion.get("max_tokens") or DEFAULT_MAX_TOKENS,
-            temperature=0.0 if temperature is None else temperature, top_p=completion.get("top_p", 1.0),
-            top_k=completion.get("top_k") or -1, seed=completion.get("seed"), stop=list(stop),
-            frequency_penalty=completion.get("frequency_penalty", 0.0),
-            presence_penalty=completion.get("presence_penalty", 0.0), json_schema=_response_schema(response_format))
+        params = sampling_params(GREEDY_DEFAULTS, {**completion, "json_schema": _response_schema(response_format)},
+                                 stop=list(stop))
         specs, allow_text = choose_tools(_tool_specs(tools or []), tool_choice)
         if specs:
             if params.json_schema is not None:

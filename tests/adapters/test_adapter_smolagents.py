@@ -96,10 +96,10 @@ def test_stream_matches_generate_and_streams_tool_calls(model):
 
 
 def test_unsupported_input_is_refused_by_name(model, engine):
-    with pytest.raises(InvalidRequestError, match="logit_bias"):
-        model.generate(_user("Hi"), logit_bias={"1": 2})
-    with pytest.raises(InvalidRequestError, match="logit_bias"):
-        RadixSmolModel(engine, logit_bias={"1": 2})
+    with pytest.raises(InvalidRequestError, match="reasoning_effort"):
+        model.generate(_user("Hi"), reasoning_effort="high")
+    with pytest.raises(InvalidRequestError, match="reasoning_effort"):
+        RadixSmolModel(engine, reasoning_effort="high")
     with pytest.raises(InvalidRequestError, match="text messages only"):
         model.generate([{"role": "user", "content": [{"type": "image", "image": "x"}]}])
 
