@@ -5,11 +5,13 @@
 engine by default. DSPy programs send the same instructions, demos and fields again and again
 (few-shot optimizers above all); the radix cache serves those prefixes, and usage reports them as
 `cache_read_tokens`. A JSON schema in `response_format` (DSPy's JSONAdapter asks for one) is decoded
-under that schema, so the reply always parses. Usage: `dspy.configure(lm=RadixLM())`.
+under that schema, so the reply always parses; function tools (DSPy's native function calling) decode
+under the JSON schema of the allowed calls. Usage: `dspy.configure(lm=RadixLM())`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -19,33 +21,43 @@ require("dspy", "dspy")
 
 import dspy  # noqa: E402
 from dspy.clients.engines.base import validate_request  # noqa: E402
-from dspy.lm15 import (Message, Request, Response, StreamDeltaEvent, StreamEndEvent, StreamStartEvent,  # noqa: E402
-                       TextDelta, TextPart, Usage)
+from dspy.lm15 import (FunctionTool, Message, Request, Response, StreamDeltaEvent, StreamEndEvent,  # noqa: E402
+                       StreamStartEvent, TextDelta, TextPart, ToolCallDelta, ToolCallPart, ToolResultPart, Usage)
 
 from radix_backend.engine_like import EngineLike  # noqa: E402
 from radix_backend.errors import InvalidRequestError  # noqa: E402
 from radix_backend.outputs import GenerateOutput, RequestMeta, StreamChunk  # noqa: E402
 from radix_backend.paths import public_model_name  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
+from radix_backend.tool_calls import (TOOL_CALL_MIN_TOKENS, ToolSpec, choose_tools,  # noqa: E402
+                                      parse_complete_tool_reply, tool_call_schema, tool_instructions,
+                                      with_system_text)
 
 __all__ = ["RadixDSPyEngine", "AsyncRadixDSPyEngine", "RadixLM"]
 
 DEFAULT_MAX_TOKENS = 512  # when neither the LM nor the call sets max_tokens
 # Config fields DSPy may set that the engine honours; any other set field is refused by name.
 _SUPPORTED_CONFIG = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "frequency_penalty",
-                     "presence_penalty", "response_format")
-_ROLES = {"user": "user", "assistant": "assistant", "developer": "system"}
+                     "presence_penalty", "response_format", "tool_choice")
+_ROLES = {"user": "user", "assistant": "assistant", "developer": "system", "tool": "tool"}
 SUPPORTED_PARAMS = frozenset(_SUPPORTED_CONFIG)
 
 
 def _text_of(parts: Any, where: str) -> str:
     if isinstance(parts, str):
         return parts
-    texts = []
+    texts, calls = [], []
     for part in parts:
-        if not isinstance(part, TextPart):
+        if isinstance(part, TextPart):
+            texts.append(part.text)
+        elif isinstance(part, ToolCallPart):  # an earlier call, replayed in the JSON shape the model writes
+            calls.append({"name": part.name, "arguments": dict(part.input)})
+        elif isinstance(part, ToolResultPart):
+            texts.append(_text_of(part.content, f"the result of tool call {part.id}"))
+        else:
             raise InvalidRequestError(f"{where} holds a {type(part).__name__}; this engine takes text only")
-        texts.append(part.text)
+    if calls:
+        return json.dumps(calls[0] if len(calls) == 1 else calls)
     return "".join(texts)
 
 
@@ -57,10 +69,25 @@ def chat_messages(request: Request) -> list[dict[str, str]]:
     for message in request.messages:
         role = _ROLES.get(message.role)
         if role is None:
-            raise InvalidRequestError(f"a {message.role!r} message: tool results need tool calling, which this "
-                                      "engine does not offer through DSPy")
+            raise InvalidRequestError(f"a {message.role!r} message is not supported by this engine")
         messages.append({"role": role, "content": _text_of(message.parts, f"a {message.role} message")})
     return messages
+
+
+def tool_plan(request: Request) -> tuple[list[ToolSpec], bool, bool]:
+    """(tools the reply may call, whether text is allowed, parallel calls) from the request's tools
+    and its Config.tool_choice."""
+    specs = []
+    for tool in request.tools:
+        if not isinstance(tool, FunctionTool):
+            raise InvalidRequestError(f"tool {tool.name!r} is a provider built-in; this engine calls function tools")
+        specs.append(ToolSpec(tool.name, tool.description or "", dict(tool.parameters)))
+    choice = request.config.tool_choice
+    if choice is None:
+        return (*choose_tools(specs, "auto"), False)
+    if choice.allowed:
+        specs = [s for s in specs if s.name in choice.allowed]
+    return (*choose_tools(specs, choice.mode), bool(choice.parallel))
 
 
 def _json_schema(response_format: Any) -> Any:
@@ -84,12 +111,10 @@ def _json_schema(response_format: Any) -> Any:
 def sampling_params(request: Request, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
     """The request's Config as SamplingParams; a set field the engine would ignore is an error."""
     config = request.config
-    unsupported = [name for name in ("tool_choice", "reasoning", "logprobs", "probabilities", "cache",
+    unsupported = [name for name in ("reasoning", "logprobs", "probabilities", "cache",
                                      "service_tier", "user_id", "store") if getattr(config, name) is not None]
     if config.extensions:
         unsupported += [f"extensions.{key}" for key in config.extensions]
-    if request.tools:
-        unsupported.append("tools")
     if unsupported:
         raise InvalidRequestError(f"not supported by the radix DSPy engine: {', '.join(unsupported)}")
     params = SamplingParams(
@@ -109,14 +134,14 @@ def _usage(meta: RequestMeta | None) -> Usage:
                  cache_read_tokens=meta.cached_tokens)
 
 
-def _finish(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
+def _finish(reason: str | None, tool_calls: bool = False) -> str:
+    return "length" if reason == "length" else ("tool_call" if tool_calls else "stop")
 
 
 class _RadixEngineBase:
     """What both engines share: the radix engine, the model name, DSPy's capability hints."""
 
-    supports_function_calling = False
+    supports_function_calling = True  # calls decode under the tools' JSON schema
     supports_reasoning = False
     supports_response_schema = True  # DSPy's JSONAdapter then asks for the signature's schema
     supported_params = SUPPORTED_PARAMS
@@ -127,19 +152,52 @@ class _RadixEngineBase:
         self.model_name = public_model_name(self.engine.model_id)
         self.default_max_tokens = default_max_tokens
 
-    def _prepare(self, request: Request) -> tuple[list[dict[str, str]], SamplingParams]:
+    def _prepare(self, request: Request) -> tuple[list[dict[str, str]], SamplingParams, bool]:
+        """(messages, params, whether the reply is a constrained tool call)."""
         validate_request(request)
-        return chat_messages(request), sampling_params(request, self.default_max_tokens)
+        messages, params = chat_messages(request), sampling_params(request, self.default_max_tokens)
+        specs, allow_text, parallel = tool_plan(request)
+        if not specs:
+            return messages, params, False
+        if params.json_schema is not None:
+            raise InvalidRequestError("tools and a response_format cannot be combined in one request")
+        params = params.copy(json_schema=tool_call_schema(specs, allow_text=allow_text, parallel=parallel),
+                             max_new_tokens=max(params.max_new_tokens, TOOL_CALL_MIN_TOKENS))
+        return with_system_text(messages, tool_instructions(specs, allow_text=allow_text)), params, True
 
-    def _response(self, out: GenerateOutput) -> Response:
-        return Response(id=out.request_id or None, model=self.model_name,
-                        message=Message.assistant([TextPart(out.text)]), finish_reason=_finish(out.finish_reason),
-                        usage=_usage(out.meta))
+    @staticmethod
+    def _parts(text: str, finish_reason: str | None, tool_mode: bool) -> list[Any]:
+        if not tool_mode:
+            return [TextPart(text)]
+        parsed = parse_complete_tool_reply(text, finish_reason)
+        return ([TextPart(parsed.text)] if parsed.text else []) + [
+            ToolCallPart(id=c["id"], name=c["name"], input=c["args"]) for c in parsed.calls]
 
-    def _events(self, chunk: StreamChunk) -> list[Any]:
-        events: list[Any] = [StreamDeltaEvent(delta=TextDelta(text=chunk.text))] if chunk.text else []
-        if chunk.finish_reason is not None:
-            events.append(StreamEndEvent(finish_reason=_finish(chunk.finish_reason), usage=_usage(chunk.meta)))
+    def _response(self, out: GenerateOutput, tool_mode: bool) -> Response:
+        parts = self._parts(out.text, out.finish_reason, tool_mode)
+        calls = any(isinstance(p, ToolCallPart) for p in parts)
+        return Response(id=out.request_id or None, model=self.model_name, message=Message.assistant(parts),
+                        finish_reason=_finish(out.finish_reason, calls), usage=_usage(out.meta))
+
+    def _events(self, chunk: StreamChunk, tool_mode: bool, so_far: list[str]) -> list[Any]:
+        """Text deltas token by token; in tool mode the calls as deltas once the JSON is complete."""
+        if not tool_mode:
+            events: list[Any] = [StreamDeltaEvent(delta=TextDelta(text=chunk.text))] if chunk.text else []
+        else:
+            so_far.append(chunk.text)
+            events = []
+        if chunk.finish_reason is None:
+            return events
+        calls = False
+        if tool_mode:
+            for i, part in enumerate(self._parts("".join(so_far), chunk.finish_reason, True)):
+                if isinstance(part, ToolCallPart):
+                    calls = True
+                    events.append(StreamDeltaEvent(delta=ToolCallDelta(input=json.dumps(dict(part.input)),
+                                                                       part_index=i, id=part.id, name=part.name)))
+                else:
+                    events.append(StreamDeltaEvent(delta=TextDelta(text=part.text)))
+        events.append(StreamEndEvent(finish_reason=_finish(chunk.finish_reason, calls), usage=_usage(chunk.meta)))
         return events
 
 
@@ -147,14 +205,15 @@ class RadixDSPyEngine(_RadixEngineBase):
     """DSPy's sync engine contract. The radix engine is borrowed: `close()` leaves it running."""
 
     def complete(self, request: Request) -> Response:
-        messages, params = self._prepare(request)
-        return self._response(self.engine.generate(messages=messages, params=params))
+        messages, params, tool_mode = self._prepare(request)
+        return self._response(self.engine.generate(messages=messages, params=params), tool_mode)
 
     def stream(self, request: Request) -> Iterator[Any]:
-        messages, params = self._prepare(request)
+        messages, params, tool_mode = self._prepare(request)
         yield StreamStartEvent(model=self.model_name)
+        so_far: list[str] = []
         for chunk in self.engine.stream(messages=messages, params=params):
-            yield from self._events(chunk)
+            yield from self._events(chunk, tool_mode, so_far)
 
     def close(self) -> None:
         pass
@@ -164,14 +223,15 @@ class AsyncRadixDSPyEngine(_RadixEngineBase):
     """DSPy's async engine contract (`lm.acall`, `dspy.asyncify` programs), on the engine's loop-safe calls."""
 
     async def complete(self, request: Request) -> Response:
-        messages, params = self._prepare(request)
-        return self._response(await self.engine.agenerate(messages=messages, params=params))
+        messages, params, tool_mode = self._prepare(request)
+        return self._response(await self.engine.agenerate(messages=messages, params=params), tool_mode)
 
     async def stream(self, request: Request) -> AsyncIterator[Any]:
-        messages, params = self._prepare(request)
+        messages, params, tool_mode = self._prepare(request)
         yield StreamStartEvent(model=self.model_name)
+        so_far: list[str] = []
         async for chunk in self.engine.astream(messages=messages, params=params):
-            for event in self._events(chunk):
+            for event in self._events(chunk, tool_mode, so_far):
                 yield event
 
     async def aclose(self) -> None:

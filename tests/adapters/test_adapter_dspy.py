@@ -5,14 +5,17 @@ streamify, asyncify) and optimizer (BootstrapFewShot)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 dspy = pytest.importorskip("dspy")
 
-from dspy.lm15 import Config, FunctionTool, Message, Request  # noqa: E402
+from dspy.lm15 import (Config, FunctionTool, Message, Request, TextPart, ToolCallDelta, ToolCallPart,  # noqa: E402
+                       ToolChoice, ToolResultPart)
 
-from radix_backend.adapters.dspy import RadixDSPyEngine, RadixLM, chat_messages, sampling_params  # noqa: E402
+from radix_backend.adapters.dspy import (RadixDSPyEngine, RadixLM, chat_messages, sampling_params,  # noqa: E402
+                                         tool_plan)
 from radix_backend.errors import InvalidRequestError  # noqa: E402
 
 
@@ -30,8 +33,6 @@ def test_a_request_maps_to_the_engine_or_is_refused_by_name():
     assert (params.stop, params.seed, params.json_schema) == (["\n"], 3, {"type": "object"})
     assert sampling_params(_request()).temperature == 0.0  # DSPy's unset temperature: greedy
     assert sampling_params(_request(Config(response_format={"type": "json_object"}))).json_schema == {"type": "object"}
-    with pytest.raises(InvalidRequestError, match="tools"):
-        sampling_params(_request(tools=(FunctionTool(name="lookup"),)))
     with pytest.raises(InvalidRequestError, match="logprobs"):
         sampling_params(_request(Config(logprobs=2)))
 
@@ -88,3 +89,47 @@ def test_bootstrap_few_shot_compiles_on_the_shared_cache(engine, lm):
     assert isinstance(pred.answer, str)
     assert after.prompt_tokens > before.prompt_tokens
     assert after.cached_tokens - before.cached_tokens > 0.5 * (after.prompt_tokens - before.prompt_tokens)
+
+
+WEATHER = FunctionTool(name="get_weather", description="Weather of a city",
+                       parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+TIME = FunctionTool(name="get_time", description="Local time of a city",
+                    parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+
+
+def test_tool_choice_and_tool_history_map_to_the_engine():
+    specs, allow_text, parallel = tool_plan(_request(tools=(WEATHER, TIME)))
+    assert [s.name for s in specs] == ["get_weather", "get_time"] and allow_text and not parallel
+    specs, allow_text, _ = tool_plan(_request(Config(tool_choice=ToolChoice(mode="required", allowed=("get_time",))),
+                                              tools=(WEATHER, TIME)))
+    assert [s.name for s in specs] == ["get_time"] and not allow_text
+    assert tool_plan(_request(Config(tool_choice=ToolChoice(mode="none")), tools=(WEATHER,)))[:2] == ([], True)
+    turns = (Message.user("Weather in Oslo?"),
+             Message.assistant([ToolCallPart(id="c1", name="get_weather", input={"city": "Oslo"})]),
+             Message(role="tool", parts=(ToolResultPart(id="c1", content=(TextPart("rain"),)),)))
+    history = Request(model="radix-backend/x", messages=turns)
+    assert chat_messages(history)[1:] == [
+        {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'},
+        {"role": "tool", "content": "rain"}]
+
+
+def test_tool_calls_complete_and_stream(engine):
+    radix = RadixDSPyEngine(engine)
+    request = Request(model="radix-backend/x", messages=(Message.user("What's the weather in Paris?"),),
+                      tools=(WEATHER,), config=Config(tool_choice=ToolChoice(mode="required")))
+    response = radix.complete(request)
+    (call,) = [p for p in response.message.parts if isinstance(p, ToolCallPart)]
+    assert call.name == "get_weather" and set(call.input) == {"city"} and response.finish_reason == "tool_call"
+    deltas = [e.delta for e in radix.stream(request) if isinstance(getattr(e, "delta", None), ToolCallDelta)]
+    assert [d.name for d in deltas] == ["get_weather"] and json.loads(deltas[0].input) == dict(call.input)
+
+
+def test_dspy_native_function_calling_through_predict(lm):
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        return f"sunny in {city}"
+    signature = dspy.Signature("question: str, tools: list[dspy.Tool] -> outputs: dspy.ToolCalls")
+    with dspy.context(lm=lm, adapter=dspy.ChatAdapter(use_native_function_calling=True)):
+        pred = dspy.Predict(signature)(question="What's the weather in Paris?", tools=[dspy.Tool(get_weather)])
+    (call,) = pred.outputs.tool_calls
+    assert call.name == "get_weather" and set(call.args) == {"city"}
