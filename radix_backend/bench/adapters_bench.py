@@ -218,7 +218,9 @@ def serve_subprocess(model: str | None, quantization: str, port: int, timeout_s:
     cmd = [sys.executable, "-m", "radix_backend.cli", "serve", "--port", str(port), "--log-level", "warning"]
     if model is not None:
         cmd += ["--model", model]
-    proc = subprocess.Popen(cmd, env={**os.environ, "RADIX_BACKEND_QUANTIZATION": quantization},
+    from ..config import ENV_KNOBS
+
+    proc = subprocess.Popen(cmd, env={**os.environ, ENV_KNOBS["quantization"]: quantization},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
