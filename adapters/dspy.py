@@ -30,8 +30,8 @@ from radix_backend.outputs import GenerateOutput, RequestMeta, StreamChunk  # no
 from radix_backend.paths import public_model_name  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
 from radix_backend.tool_calls import (TOOL_CALL_MIN_TOKENS, ToolSpec, choose_tools,  # noqa: E402
-                                      parse_complete_tool_reply, tool_call_schema, tool_instructions,
-                                      with_system_text)
+                                      parse_complete_tool_reply, tool_call_json, tool_call_schema,
+                                      tool_instructions, with_system_text)
 
 __all__ = ["RadixDSPyEngine", "AsyncRadixDSPyEngine", "RadixLM"]
 
@@ -57,7 +57,7 @@ def _text_of(parts: Any, where: str) -> str:
         else:
             raise InvalidRequestError(f"{where} holds a {type(part).__name__}; this engine takes text only")
     if calls:
-        return json.dumps(calls[0] if len(calls) == 1 else calls)
+        return tool_call_json(calls)
     return "".join(texts)
 
 

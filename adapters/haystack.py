@@ -34,8 +34,8 @@ from radix_backend.outputs import GenerateOutput  # noqa: E402
 from radix_backend.paths import public_model_name  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
 from radix_backend.tool_calls import (TOOL_CALL_MIN_TOKENS, ToolSpec, choose_tools,  # noqa: E402
-                                      parse_complete_tool_reply, tool_call_schema, tool_instructions,
-                                      with_system_text)
+                                      parse_complete_tool_reply, tool_call_json, tool_call_schema,
+                                      tool_instructions, with_system_text)
 
 __all__ = ["RadixChatGenerator"]
 
@@ -54,7 +54,7 @@ def to_engine_message(message: ChatMessage) -> dict[str, str]:
         return {"role": "tool", "content": result.result}
     if message.role == ChatRole.ASSISTANT and message.tool_calls:
         calls = [{"name": c.tool_name, "arguments": c.arguments} for c in message.tool_calls]
-        return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
+        return {"role": "assistant", "content": tool_call_json(calls)}
     return {"role": message.role.value, "content": message.text or ""}
 
 

@@ -34,7 +34,7 @@ from ._common import (
     with_system_text,
 )
 
-from radix_backend.tool_calls import choose_tools  # noqa: E402
+from radix_backend.tool_calls import choose_tools, tool_call_json  # noqa: E402
 
 require("langchain_core", "langchain", "langchain-core")
 
@@ -185,7 +185,7 @@ def to_engine_message(message: BaseMessage) -> dict[str, Any]:
     if isinstance(message, AIMessage):
         if message.tool_calls:  # replay earlier calls in the same JSON shape the model produces
             calls = [{"name": c["name"], "arguments": c["args"]} for c in message.tool_calls]
-            return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
+            return {"role": "assistant", "content": tool_call_json(calls)}
         return {"role": "assistant", "content": message_text(message.content)}
     if isinstance(message, ToolMessage):
         return {"role": "tool", "content": message_text(message.content)}

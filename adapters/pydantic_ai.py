@@ -15,7 +15,6 @@ runs greedy.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -64,6 +63,7 @@ from radix_backend.tool_calls import (  # noqa: E402
     ToolSpec,
     close_objects,
     parse_complete_tool_reply,
+    tool_call_json,
     tool_call_schema,
     tool_instructions,
     with_system_text,
@@ -149,7 +149,7 @@ def _response_message(message: ModelResponse) -> dict[str, Any]:
         elif not isinstance(part, ThinkingPart):  # the engine's models do not think aloud
             raise InvalidRequestError(f"a response part of type {type(part).__name__} is not supported")
     if calls:
-        return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
+        return {"role": "assistant", "content": tool_call_json(calls)}
     return {"role": "assistant", "content": "\n\n".join(texts)}
 
 

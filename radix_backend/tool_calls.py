@@ -95,6 +95,12 @@ class ParsedToolReply:
     calls: list[dict[str, Any]]  # [{"name", "args", "id"}]
 
 
+def tool_call_json(calls: list[dict[str, Any]]) -> str:
+    """Earlier calls ([{"name", "arguments"}]) as the JSON the model writes for them (one object, or
+    an array for several), so a replayed turn reads like the model's own in the prompt."""
+    return json.dumps(calls[0] if len(calls) == 1 else calls)
+
+
 def choose_tools(specs: list[ToolSpec], tool_choice: Any) -> tuple[list[ToolSpec], bool]:
     """(tools the reply may call, whether a plain-text reply is allowed) for an OpenAI-style
     `tool_choice`: None/"auto", "none", "required" (also LangChain's "any" and True), or one tool

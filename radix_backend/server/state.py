@@ -10,6 +10,7 @@ from ..engine_like import EngineLike
 from ..errors import InvalidRequestError, PromptTooLongError
 from ..paths import public_model_name
 from ..sampling_params import SamplingParams
+from ..tool_calls import tool_call_json
 from .guard import ServerLimits
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest
@@ -173,7 +174,7 @@ def _replayed_tool_calls(calls: Any, index: int) -> str:
         except json.JSONDecodeError as exc:
             raise InvalidRequestError(f"{where}: arguments of {fn.get('name')!r} are not JSON: {exc}") from None
         replayed.append({"name": fn.get("name"), "arguments": arguments})
-    return json.dumps(replayed[0] if len(replayed) == 1 else replayed)
+    return tool_call_json(replayed)
 
 
 class TokenText:
