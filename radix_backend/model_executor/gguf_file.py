@@ -57,7 +57,8 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
 }
 # Phi-3 files keep HF's fused projections: q|k|v in attn_qkv, gate|up in ffn_up
-_FUSED_TENSORS = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+_PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                       "ffn_up.weight": "mlp.gate_up_proj.weight"}
 _GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                    "output.weight": "lm_head.weight"}
 # per-frequency RoPE factors, read into the config: Llama 3's divisors, Phi-3's LongRoPE pair
@@ -236,7 +237,7 @@ def _hf_name(path: Path, arch: str, name: str) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     match = _LAYER_NAME.fullmatch(name)
-    layer_names = {**_LAYER_TENSORS, **_FUSED_TENSORS} if arch == "phi3" else _LAYER_TENSORS
+    layer_names = _PHI3_LAYER_TENSORS if arch == "phi3" else _LAYER_TENSORS
     if match and match.group(2) in layer_names:
         return f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
     raise ModelLoadError(f"{path.name}: tensor {name!r} is not part of a model we implement (would be ignored)")

@@ -208,7 +208,8 @@ class ModelRunner:
 
     @property
     def context_length(self) -> int:
-        """max_position_embeddings, or a sliding window shorter than it (`models/config_check.py`)."""
+        """max_position_embeddings, or less where `models/config_check.py` caps it (a shorter sliding
+        window, LongRoPE's short-factor range)."""
         return self.limits.context_length
 
     def forward(self, batch: ForwardInput) -> torch.Tensor:

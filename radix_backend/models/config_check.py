@@ -58,6 +58,23 @@ class ModelLimits:
     capped_by: str | None = None  # "sliding window" or "longrope short factors"
 
 
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE settings (transformers 5 `rope_parameters`, or the older `rope_scaling` plus
+    top-level `rope_theta` / `partial_rotary_factor`)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        return params
+    legacy = dict(getattr(config, "rope_scaling", None) or {})
+    legacy.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    legacy.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return legacy
+
+
+def rope_kind(params: dict[str, Any]) -> str:
+    """HF's RoPE type of those settings ("type" in older configs)."""
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
 def check_model_config(config: Any) -> ModelLimits:
     """Raise ModelLoadError naming every field whose value would change the math unimplemented."""
     fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
@@ -65,8 +82,8 @@ def check_model_config(config: Any) -> ModelLimits:
     act = fields.get("hidden_act", "silu")
     if act not in SILU:
         problems.append(f"hidden_act={act!r} (only SiLU MLPs are implemented)")
-    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    rope = rope_parameters(config)
+    kind = rope_kind(rope)
     if kind not in STATIC_ROPE + SHORT_CONTEXT_ROPE:
         problems.append(f"rope_type={kind!r} (implemented: {', '.join(STATIC_ROPE + SHORT_CONTEXT_ROPE)})")
     if fields.get("mlp_bias") and fields.get("model_type") not in ("llama", "granite"):
@@ -80,10 +97,10 @@ def check_model_config(config: Any) -> ModelLimits:
     if problems:
         raise ModelLoadError(f"this {fields.get('model_type', '?')} config asks for what the decoder does not "
                              "implement: " + "; ".join(problems))
-    return model_limits(fields)
+    return model_limits(fields, rope)
 
 
-def model_limits(fields: dict[str, Any]) -> ModelLimits:
+def model_limits(fields: dict[str, Any], rope: dict[str, Any]) -> ModelLimits:
     """The context length, capped where the full computation equals the model's own only up to a
     length: a sliding window shorter than the context, LongRoPE's short-factor range."""
     context = int(fields["max_position_embeddings"])
@@ -92,8 +109,7 @@ def model_limits(fields: dict[str, Any]) -> ModelLimits:
     sliding = fields.get("model_type") in ("mistral", "phi3") or "sliding_attention" in (fields.get("layer_types") or [])
     if sliding and window and int(window) < limits.context_length:
         limits = ModelLimits(int(window), "sliding window")
-    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in SHORT_CONTEXT_ROPE:
+    if rope_kind(rope) in SHORT_CONTEXT_ROPE:
         original = int(rope.get("original_max_position_embeddings") or fields.get("original_max_position_embeddings")
                        or context)
         if original < limits.context_length:

@@ -28,6 +28,8 @@ from radix_backend.kernels.attention_base import AttentionBackend, AttentionMeta
 from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights, NativeWeight
 from radix_backend.kernels.q4 import DenseWeight
 
+from .config_check import rope_kind, rope_parameters
+
 # Decode steps of up to this many tokens run the whole stack in one native call when the model
 # has one (`build_decode_stack`). With the native 4-bit matmul serving every batch size (8-bit
 # activations above 16 rows), per step against the per-layer path (SmolLM2, 2-core EPYC, 100-token
@@ -43,8 +45,8 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM",
 )
-# Projections the engine fuses; Phi-3 checkpoints store them fused already (q|k|v, gate|up)
-_FUSED = ("qkv_proj", "gate_up_proj")
+# Projections the engine fuses and their parts (q|k|v, gate|up); Phi-3 checkpoints store them fused
+_FUSED_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 # HF weight names split along the output dim (column-parallel) or the input dim (row-parallel)
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
@@ -82,7 +84,7 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tenso
     frequency divided by its factor, as llama.cpp does). `rotary_dim` is the head's rotated part
     (`partial_rotary_factor` of it: Phi-4-mini rotates 3/4); the rest passes through unrotated."""
     params = rope_parameters(config)
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = rope_kind(params)
     rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
     if kind in ("default", "linear"):  # HF's formula, without importing its modeling code (~1 s of start-up)
         theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
@@ -100,18 +102,6 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tenso
     if factors is not None:
         inv_freq = inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
     return ops.build_cos_sin_cache(inv_freq, max_positions, attention_scaling)
-
-
-def rope_parameters(config) -> dict:
-    """The config's RoPE settings (transformers 5 `rope_parameters`, or the older `rope_scaling` plus
-    top-level `rope_theta` / `partial_rotary_factor`)."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        return params
-    legacy = dict(getattr(config, "rope_scaling", None) or {})
-    legacy.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    legacy.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return legacy
 
 
 def residual_multiplier(config) -> float:
@@ -336,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            fused = next((f for f in _FUSED if f".{f}." in name), None)
+            fused = next((f for f in _FUSED_PARTS if f".{f}." in name), None)
             if fused is not None and self.tp_size > 1:
                 raise ValueError(f"a checkpoint with fused {fused} weights cannot be sharded over tp_size="
                                  f"{self.tp_size} yet; run it with tp_size=1")
@@ -347,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
                                      f"model {tuple(param.shape)}")
                 param.data.copy_(tensor)
-                loaded.update(f"{name}#{i}" for i in range(3 if fused == "qkv_proj" else 2))
+                loaded.update(f"{name}#{i}" for i in range(_FUSED_PARTS[fused]))
                 continue
             for src, (dst, shard) in stacked.items():
                 if f".{src}." in name:
@@ -401,12 +391,11 @@ class LlamaForCausalLM(nn.Module):
     def _expected_loaded_names(params: dict[str, torch.Tensor]) -> set[str]:
         out: set[str] = set()
         for name in params:
-            if ".qkv_proj." in name:
-                out.update(f"{name}#{i}" for i in range(3))
-            elif ".gate_up_proj." in name:
-                out.update(f"{name}#{i}" for i in range(2))
-            else:
+            fused = next((f for f in _FUSED_PARTS if f".{f}." in name), None)
+            if fused is None:
                 out.add(name)
+            else:
+                out.update(f"{name}#{i}" for i in range(_FUSED_PARTS[fused]))
         return out
 
 
