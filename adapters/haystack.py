@@ -167,8 +167,11 @@ class RadixChatGenerator:
         if callback is None:
             out: GenerateOutput = self.engine.generate(messages=engine_messages, params=params)
             return {"replies": [self._reply(out.text, out.finish_reason, Usage.from_meta(out.meta), tool_mode)]}
-        chunks = self.engine.stream(messages=engine_messages, params=params)
-        return {"replies": [self._streamed(chunks, callback, tool_mode)]}
+        stream = _Stream(self, tool_mode)
+        for chunk in self.engine.stream(messages=engine_messages, params=params):
+            for event in stream.feed(chunk):
+                callback(event)
+        return {"replies": [stream.reply()]}
 
     @component.output_types(replies=list[ChatMessage])
     async def run_async(self, messages: list[ChatMessage] | str, streaming_callback: Any = None,
@@ -179,38 +182,43 @@ class RadixChatGenerator:
         if callback is None:
             out = await self.engine.agenerate(messages=engine_messages, params=params)
             return {"replies": [self._reply(out.text, out.finish_reason, Usage.from_meta(out.meta), tool_mode)]}
-        text, last, info = [], None, ComponentInfo.from_component(self)
+        stream = _Stream(self, tool_mode)
         async for chunk in self.engine.astream(messages=engine_messages, params=params):
-            last = chunk
-            text.append(chunk.text)
-            for event in self._chunk_events(chunk, info, tool_mode, len(text) == 1, "".join(text)):
+            for event in stream.feed(chunk):
                 await callback(event)
-        return {"replies": [self._reply("".join(text), last.finish_reason if last else None,
-                                        Usage.from_meta(last.meta if last else None), tool_mode)]}
+        return {"replies": [stream.reply()]}
 
-    def _streamed(self, chunks: Any, callback: Any, tool_mode: bool) -> ChatMessage:
-        text, last, info = [], None, ComponentInfo.from_component(self)
-        for chunk in chunks:
-            last = chunk
-            text.append(chunk.text)
-            for event in self._chunk_events(chunk, info, tool_mode, len(text) == 1, "".join(text)):
-                callback(event)
-        return self._reply("".join(text), last.finish_reason if last else None,
-                           Usage.from_meta(last.meta if last else None), tool_mode)
 
-    def _chunk_events(self, chunk: Any, info: ComponentInfo, tool_mode: bool, first: bool,
-                      so_far: str) -> list[StreamingChunk]:
-        """Text streams token by token; a tool call is one chunk once its JSON is complete."""
-        meta = {"model": public_model_name(self.engine.model_id)}
-        done = chunk.finish_reason is not None
-        if not tool_mode:
-            reason = ("length" if chunk.finish_reason == "length" else "stop") if done else None
-            return [StreamingChunk(content=chunk.text, meta=meta, component_info=info, index=0, start=first,
+class _Stream:
+    """One streamed reply: text chunks pass to the callback token by token; a tool call goes as one
+    chunk once its JSON is complete. The reply is built once, from the finishing chunk."""
+
+    def __init__(self, generator: RadixChatGenerator, tool_mode: bool) -> None:
+        self.generator, self.tool_mode = generator, tool_mode
+        self.info = ComponentInfo.from_component(generator)
+        self.meta = {"model": public_model_name(generator.engine.model_id)}
+        self.text: list[str] = []
+        self.finished: ChatMessage | None = None
+
+    def feed(self, chunk: Any) -> list[StreamingChunk]:
+        first = not self.text
+        self.text.append(chunk.text)
+        if chunk.finish_reason is not None:
+            self.finished = self.generator._reply("".join(self.text), chunk.finish_reason,
+                                                  Usage.from_meta(chunk.meta), self.tool_mode)
+        if not self.tool_mode:
+            reason = self.finished.meta["finish_reason"] if self.finished is not None else None
+            return [StreamingChunk(content=chunk.text, meta=self.meta, component_info=self.info, index=0, start=first,
                                    finish_reason=reason)]
-        if not done:
+        if self.finished is None:
             return []
-        reply = self._reply(so_far, chunk.finish_reason, Usage.from_meta(chunk.meta), True)
+        reply = self.finished
         deltas = [ToolCallDelta(index=i, tool_name=c.tool_name, arguments=json.dumps(c.arguments), id=c.id)
                   for i, c in enumerate(reply.tool_calls)]
-        return [StreamingChunk(content=reply.text or "", meta=meta, component_info=info, index=0, start=True,
-                               tool_calls=deltas or None, finish_reason=reply.meta["finish_reason"])]
+        return [StreamingChunk(content=reply.text or "", meta=self.meta, component_info=self.info, index=0,
+                               start=True, tool_calls=deltas or None, finish_reason=reply.meta["finish_reason"])]
+
+    def reply(self) -> ChatMessage:
+        if self.finished is None:  # a stream cut short: what it produced, without usage
+            return self.generator._reply("".join(self.text), None, Usage.from_meta(None), self.tool_mode)
+        return self.finished
