@@ -19,7 +19,8 @@ from radix_backend.outputs import RequestMeta
 from radix_backend.sampling_params import SamplingParams
 from radix_backend.utils import load_json_text
 from radix_backend.tool_calls import (TEXT_REPLY_KEY, TOOL_CALL_MIN_TOKENS, ParsedToolReply, ToolSpec, close_objects,
-                                      parse_tool_reply, tool_call_schema, tool_instructions, with_system_text)
+                                      constrain_to_tools, parse_tool_reply, tool_call_schema, tool_instructions,
+                                      with_system_text)
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Names frameworks use for the same knob.
@@ -152,6 +153,7 @@ def message_text(content: Any) -> str:
     raise InvalidRequestError(f"unsupported message content {type(content).__name__}")
 
 
-__all__ = ["TEXT_REPLY_KEY", "TOOL_CALL_MIN_TOKENS", "ParsedToolReply", "ToolSpec", "Usage", "close_objects", "message_text",
+__all__ = ["TEXT_REPLY_KEY", "TOOL_CALL_MIN_TOKENS", "ParsedToolReply", "ToolSpec", "Usage", "close_objects",
+           "constrain_to_tools", "message_text",
            "parse_structured", "parse_tool_reply", "require", "resolve_engine", "sampling_params", "schema_instructions",
            "to_json_schema", "tool_call_schema", "tool_instructions", "with_system_text"]

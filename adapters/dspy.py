@@ -29,9 +29,8 @@ from radix_backend.errors import InvalidRequestError  # noqa: E402
 from radix_backend.outputs import GenerateOutput, RequestMeta, StreamChunk  # noqa: E402
 from radix_backend.paths import public_model_name  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
-from radix_backend.tool_calls import (TOOL_CALL_MIN_TOKENS, ToolSpec, choose_tools,  # noqa: E402
-                                      parse_complete_tool_reply, tool_call_json, tool_call_schema,
-                                      tool_instructions, with_system_text)
+from radix_backend.tool_calls import (ToolSpec, choose_tools, constrain_to_tools,  # noqa: E402
+                                      parse_complete_tool_reply, tool_call_json)
 
 __all__ = ["RadixDSPyEngine", "AsyncRadixDSPyEngine", "RadixLM"]
 
@@ -161,9 +160,8 @@ class _RadixEngineBase:
             return messages, params, False
         if params.json_schema is not None:
             raise InvalidRequestError("tools and a response_format cannot be combined in one request")
-        params = params.copy(json_schema=tool_call_schema(specs, allow_text=allow_text, parallel=parallel),
-                             max_new_tokens=max(params.max_new_tokens, TOOL_CALL_MIN_TOKENS))
-        return with_system_text(messages, tool_instructions(specs, allow_text=allow_text)), params, True
+        messages, params = constrain_to_tools(messages, params, specs, allow_text=allow_text, parallel=parallel)
+        return messages, params, True
 
     @staticmethod
     def _parts(text: str, finish_reason: str | None, tool_mode: bool) -> list[Any]:

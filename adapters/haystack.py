@@ -33,9 +33,8 @@ from radix_backend.errors import InvalidRequestError  # noqa: E402
 from radix_backend.outputs import GenerateOutput  # noqa: E402
 from radix_backend.paths import public_model_name  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
-from radix_backend.tool_calls import (TOOL_CALL_MIN_TOKENS, ToolSpec, choose_tools,  # noqa: E402
-                                      parse_complete_tool_reply, tool_call_json, tool_call_schema,
-                                      tool_instructions, with_system_text)
+from radix_backend.tool_calls import (ToolSpec, choose_tools, constrain_to_tools,  # noqa: E402
+                                      parse_complete_tool_reply, tool_call_json)
 
 __all__ = ["RadixChatGenerator"]
 
@@ -139,10 +138,9 @@ class RadixChatGenerator:
         if specs:
             if call.get("response_format") is not None:
                 raise InvalidRequestError("tools and response_format cannot be combined in one call")
-            schema = tool_call_schema(specs, allow_text=allow_text, parallel=bool(call.get("parallel_tool_calls")))
-            params = params.copy(json_schema=schema, stop=[],
-                                 max_new_tokens=max(params.max_new_tokens, TOOL_CALL_MIN_TOKENS))
-            return with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text)), params, True
+            engine_messages, params = constrain_to_tools(engine_messages, params, specs, allow_text=allow_text,
+                                                         parallel=bool(call.get("parallel_tool_calls")), stop=[])
+            return engine_messages, params, True
         schema = _response_schema(call.get("response_format"))
         return engine_messages, (params if schema is None else params.copy(json_schema=schema)), False
 

@@ -29,12 +29,10 @@ from ._common import (
     sampling_params,
     schema_instructions,
     to_json_schema,
-    tool_call_schema,
-    tool_instructions,
     with_system_text,
 )
 
-from radix_backend.tool_calls import choose_tools, tool_call_json  # noqa: E402
+from radix_backend.tool_calls import choose_tools, constrain_to_tools, tool_call_json  # noqa: E402
 
 require("langchain_core", "langchain", "langchain-core")
 
@@ -283,15 +281,13 @@ class RadixChatModel(_EngineFields, BaseChatModel):
         if instructions:
             engine_messages = with_system_text(engine_messages, instructions)
         tool_mode = bool(tools) and tool_choice != "none"
-        params = None
+        params = self._params(stop, kwargs)
         if tool_mode:
             specs, allow_text = _tool_specs(tools, tool_choice)
-            kwargs["json_schema"] = tool_call_schema(specs, allow_text=allow_text, parallel=parallel)
-            engine_messages = with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text))
-            params = self._params(stop, kwargs)
-            if "max_tokens" not in kwargs and params.max_new_tokens < TOOL_CALL_MIN_TOKENS:
-                params = params.copy(max_new_tokens=TOOL_CALL_MIN_TOKENS)  # a whole call, not one cut at 100
-        return _Prepared(engine_messages, params or self._params(stop, kwargs), tool_mode)
+            engine_messages, params = constrain_to_tools(  # a whole call, not one cut at 100, unless max_tokens is set
+                engine_messages, params, specs, allow_text=allow_text, parallel=parallel,
+                min_tokens=0 if "max_tokens" in kwargs else TOOL_CALL_MIN_TOKENS)
+        return _Prepared(engine_messages, params, tool_mode)
 
     def _result(self, out: GenerateOutput, tool_mode: bool) -> ChatResult:
         message = _ai_message(out, tool_mode, self.model_id)

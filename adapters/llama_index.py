@@ -14,8 +14,8 @@ from typing import Any, Type
 import json
 from dataclasses import dataclass
 
-from ._common import (TOOL_CALL_MIN_TOKENS, ToolSpec, Usage, message_text, parse_tool_reply, require, resolve_engine,
-                      sampling_params, to_json_schema, tool_call_schema, tool_instructions, with_system_text)
+from ._common import (ToolSpec, Usage, constrain_to_tools, message_text, parse_tool_reply, require, resolve_engine,
+                      sampling_params, to_json_schema)
 
 require("llama_index.core", "llamaindex", "llama-index-core")
 
@@ -134,11 +134,8 @@ class RadixLlamaIndexLLM(FunctionCallingLLM):
         if not tools:
             return _ChatRequest(engine_messages, self._params(kwargs), False)
         specs = [ToolSpec(t.metadata.name, t.metadata.description, t.metadata.get_parameters_dict()) for t in tools]
-        kwargs["json_schema"] = tool_call_schema(specs, allow_text=not required, parallel=parallel)
-        engine_messages = with_system_text(engine_messages, tool_instructions(specs, allow_text=not required))
-        params = self._params(kwargs)
-        if params.max_new_tokens < TOOL_CALL_MIN_TOKENS:
-            params = params.copy(max_new_tokens=TOOL_CALL_MIN_TOKENS)
+        engine_messages, params = constrain_to_tools(engine_messages, self._params(kwargs), specs,
+                                                     allow_text=not required, parallel=parallel)
         return _ChatRequest(engine_messages, params, True)
 
     @staticmethod

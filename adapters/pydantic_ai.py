@@ -62,10 +62,9 @@ from radix_backend.tool_calls import (  # noqa: E402
     ParsedToolReply,
     ToolSpec,
     close_objects,
+    constrain_to_tools,
     parse_complete_tool_reply,
     tool_call_json,
-    tool_call_schema,
-    tool_instructions,
     with_system_text,
 )
 
@@ -235,12 +234,11 @@ class RadixModel(Model):
         engine_messages = chat_messages(self, messages, request_params)
         specs, allow_text = tool_plan(settings, request_params)
         if specs:
-            parallel = bool(settings.get("parallel_tool_calls", False))
-            schema = tool_call_schema(specs, allow_text=allow_text, parallel=parallel)
-            if settings.get("max_tokens") is None:
-                params = params.copy(max_new_tokens=max(params.max_new_tokens, TOOL_CALL_MIN_TOKENS))
-            return Prepared(with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text)),
-                            params.copy(json_schema=schema), True, request_params)
+            engine_messages, params = constrain_to_tools(
+                engine_messages, params, specs, allow_text=allow_text,
+                parallel=bool(settings.get("parallel_tool_calls", False)),
+                min_tokens=TOOL_CALL_MIN_TOKENS if settings.get("max_tokens") is None else 0)
+            return Prepared(engine_messages, params, True, request_params)
         if request_params.output_mode == "native" and request_params.output_object is not None:
             params = params.copy(json_schema=close_objects(request_params.output_object.json_schema))
         elif request_params.output_mode == "prompted" and request_params.prompted_output_instructions:

@@ -38,14 +38,11 @@ from radix_backend.outputs import GenerateOutput, RequestMeta  # noqa: E402
 from radix_backend.paths import public_model_name  # noqa: E402
 from radix_backend.sampling_params import SamplingParams  # noqa: E402
 from radix_backend.tool_calls import (  # noqa: E402
-    TOOL_CALL_MIN_TOKENS,
     ToolSpec,
-    close_objects,
     choose_tools,
+    close_objects,
+    constrain_to_tools,
     parse_complete_tool_reply,
-    tool_call_schema,
-    tool_instructions,
-    with_system_text,
 )
 
 __all__ = ["RadixSmolModel"]
@@ -138,9 +135,9 @@ class RadixSmolModel(Model):
         if specs:
             if params.json_schema is not None:
                 raise InvalidRequestError("tools and a response_format cannot be combined in one call")
-            params = params.copy(json_schema=tool_call_schema(specs, allow_text=allow_text), stop=[],
-                                 max_new_tokens=max(params.max_new_tokens, TOOL_CALL_MIN_TOKENS))
-            engine_messages = with_system_text(engine_messages, tool_instructions(specs, allow_text=allow_text))
+            # smolagents' stop sequences ("Observation:") are for text steps; they must not cut a call
+            engine_messages, params = constrain_to_tools(engine_messages, params, specs, allow_text=allow_text,
+                                                         stop=[])
         params.validate()
         return Prepared(engine_messages, params, bool(specs))
 

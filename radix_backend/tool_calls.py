@@ -95,6 +95,17 @@ class ParsedToolReply:
     calls: list[dict[str, Any]]  # [{"name", "args", "id"}]
 
 
+def constrain_to_tools(messages: list[dict[str, Any]], params: Any, specs: list[ToolSpec], *, allow_text: bool,
+                       parallel: bool = False, min_tokens: int = TOOL_CALL_MIN_TOKENS,
+                       **changes: Any) -> tuple[list[dict[str, Any]], Any]:
+    """A request's messages with the tools' instructions, and its SamplingParams decoding under the
+    allowed calls' schema with room for at least `min_tokens` (a call cut off cannot parse; callers
+    pass 0 to keep a max_tokens the user set). `changes` are further SamplingParams fields."""
+    params = params.copy(json_schema=tool_call_schema(specs, allow_text=allow_text, parallel=parallel),
+                         max_new_tokens=max(params.max_new_tokens, min_tokens), **changes)
+    return with_system_text(messages, tool_instructions(specs, allow_text=allow_text)), params
+
+
 def tool_call_json(calls: list[dict[str, Any]]) -> str:
     """Earlier calls ([{"name", "arguments"}]) as the JSON the model writes for them (one object, or
     an array for several), so a replayed turn reads like the model's own in the prompt."""
