@@ -43,6 +43,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rb_decode_attention": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
+    "rb_decode_attention_invariant": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
     "rb_extend_attention": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _P, _P, _I],
                             ctypes.c_int),
     "rb_add_rms_norm": ([_P, _P, _P, _I, _I, _F, _P, _P], None),
@@ -54,7 +55,7 @@ _SIGNATURES = {
     "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
     "rb_q8_tiled_supported": ([], ctypes.c_int),
     "rb_q8_tiled_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
-    "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I], ctypes.c_int),
+    "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
 }
 
 
@@ -204,11 +205,13 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      starts: torch.Tensor, lens: torch.Tensor, scale: float, with_lse: bool = False,
-                     threads: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     threads: int = 1, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query row per request over its keys at `kv_indices[starts[b] : starts[b] + lens[b]]`,
     read from the pool in place. q [B, Hq, D]; caches [slots, Hkv, D]; returns (out [B, Hq, D],
     lse [B, Hq] or None). A request with lens[b] < 1 (padding) reads nothing and gets an undefined
-    row; every slot must lie inside the pool."""
+    row; every slot must lie inside the pool. `invariant` (head sizes that are multiples of 16):
+    each row gets exactly the bits `extend_attention` gives that row, whatever the batch (about
+    1.5x the time of the default kernel, which splits long requests' keys over the threads)."""
     hq, hkv = _check_attention(q, k_cache, v_cache)
     batch, _, dim = q.shape
     kv_indices = checked_indices("kv_indices", kv_indices)
@@ -218,7 +221,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(batch, hq, dtype=torch.float32) if with_lse else None
-    rc = library().rb_decode_attention(
+    kernel = library().rb_decode_attention_invariant if invariant and dim % 16 == 0 else library().rb_decode_attention
+    rc = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), starts.data_ptr(),
         lens.data_ptr(), batch, hkv, hq // hkv, dim, scale, out.data_ptr(), _ptr(lse), threads)
     if rc != 0:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import native, settings
 from . import shared_prefix as sp
 from .attention_base import AttentionMetadata
 from .torch_backend import Plan, TorchAttentionBackend
@@ -89,7 +89,8 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
                                              causal=True, threads=torch.get_num_threads())
             return out
         out, lse = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, plan.starts, plan.lens, scale,
-                                           with_lse=bool(plan.groups), threads=plan.threads)
+                                           with_lse=bool(plan.groups), threads=plan.threads,
+                                           invariant=settings.current().batch_invariant)
         if not plan.groups:
             return out
         tokens, hq, dim = q.shape

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native, settings
+from .q4 import DenseWeight, q4_matmul
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,14 +38,28 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- public API
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias). fp32 on the CPU goes through oneDNN's matmul, which torch ships for
-    its bf16 linears anyway: torch.nn.functional.linear's fp32 BLAS (MKL) reaches 40-45 % of its
-    speed on the AMD EPYC measured (1024 x 576 @ 576 x 3072 on 2 threads: 18.2 vs 8.0 ms; 17 rows:
-    0.66 vs 0.25 ms), with the same fp32 accuracy (sums in another order)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu" \
-            and weight.is_contiguous() and onednn_linear_available():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """x @ weight^T (+ bias). fp32 on the CPU: with batch invariance (the default kernel settings)
+    and the native kernels built, our fixed-order kernel (`fixed_order_linear`); otherwise oneDNN's
+    matmul, which torch ships for its bf16 linears anyway: torch.nn.functional.linear's fp32 BLAS
+    (MKL) reaches 40-45 % of its speed on the AMD EPYC measured (1024 x 576 @ 576 x 3072 on 2
+    threads: 18.2 vs 8.0 ms; 17 rows: 0.66 vs 0.25 ms), with the same fp32 accuracy."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        current = settings.current()
+        if current.batch_invariant and current.native and native.available():
+            return fixed_order_linear(x, weight, bias)
+        if weight.is_contiguous() and onednn_linear_available():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 x [..., K] @ weight^T (+ bias) on the CPU, each output summed in one order fixed by K
+    alone (csrc/f32_matmul.c), so a row's result never depends on how many rows came with it: no
+    BLAS promises that (oneDNN sums one row in another order than many; MKL's split over threads
+    changes with the row count)."""
+    flat = x.reshape(-1, weight.shape[1])
+    out = q4_matmul(flat, DenseWeight(weight, bias), threads=torch.get_num_threads())
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,8 +5,8 @@ Batch-1 decode reads every weight once per token, so bytes per weight set its sp
 - `Int4Linear`: 4-bit codes with a scale and a minimum per group of 32 input features, i.e.
   GGUF's Q4_1 block (w = d * q + m, q in 0..15). Where the native kernels build (`native.py`) it
   runs our own 4-bit kernel (`q4.q4_matmul`: the exact fp16 scale/minimum, integer dot
-  products on 16-bit activations, ~2e-5 relative error, for up to 16 rows; 8-bit ones, ~5e-3 and
-  about 1.8x faster, above: `activation_bits`) for every batch size.
+  products on 8-bit activations, ~5e-3 relative error as llama.cpp's Q8 ones, or 16-bit ones,
+  ~2e-5 and about 1.3x the time: `activation_bits`) for every batch size.
   Elsewhere it runs `aten._weight_int4pack_mm_for_cpu`, whose weights are (q - 8) * scale + zero,
   so zero = m + 8 * d; that kernel takes bf16 activations and bf16 scale/zero (its fp32/fp16 paths
   are unvectorized and ~30x slower), ~4e-3 relative error; the result is cast back to the input dtype.
@@ -41,21 +41,19 @@ KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized 
 # context, int4 vs bf16 dense: 85 vs 124 ms at batch 8, about even at 12-16, 248 vs 227 at 32;
 # prefill of 1024 tokens 2580 vs 1712 ms). With the weight in cache the crossover is ~8 rows
 # (`SMALL_BATCH_ROWS`, below).
-# The native low-bit kernels take the activations of small batches (decode steps of up to 16 rows)
-# as 16-bit integers per group of 32 (every product within ~2e-5 of fp32) and larger ones (prefill,
-# big decode batches) as 8-bit integers (llama.cpp's Q8_0/Q8_1 idea, ~5e-3), about twice as fast;
-# with 16 everywhere the greedy tokens equal the fp32 reference's on the same weights
-# (BENCHMARKS.md). The format follows the row count, so a greedy output can still change with its
-# batch-mates; LM heads of GGUF models always take 16 bits: they pick the tokens.
 SMALL_BATCH_ROWS = 16
+# The native low-bit kernels take every row's activations as integers per group of 32 of one width
+# for the whole model, whatever the row count, so a row's result never depends on its batch-mates:
+# 8 bits by default (llama.cpp's Q8_0/Q8_1 idea, ~5e-3; as fast as 16 bits for one row and faster
+# for more), or 16 (every product within ~2e-5 of fp32: the greedy tokens equal the fp32 reference's
+# on the same weights, BENCHMARKS.md). LM heads of GGUF models always take 16 bits: they pick the tokens.
 HEAD_ACTIVATION_BITS = 16
 
 
-def activation_bits(rows: int) -> int:
-    """Activation integers of the native low-bit linears for a matmul of `rows` rows: 16 bits (the
-    fp32 result within ~2e-5) for small batches, the kernel settings' (8 unless
-    `EngineConfig.activation_bits` says 16) above."""
-    return 16 if rows <= SMALL_BATCH_ROWS else settings.current().large_batch_activation_bits
+def activation_bits() -> int:
+    """Activation integers of the native low-bit linears: the kernel settings' (8 unless
+    `EngineConfig.activation_bits` says 16), for every row count."""
+    return settings.current().activation_bits
 
 
 @dataclass
@@ -163,7 +161,7 @@ class Int4Linear(_LowBitLinear):
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_q4 is not None:
             return q4.q4_matmul(x, self.native_q4, threads=torch.get_num_threads(),
-                                          activation_bits=activation_bits(x.shape[0]))
+                                          activation_bits=activation_bits())
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, GROUP_SIZE,
                                                           self.scales_and_zeros)
 
@@ -309,7 +307,7 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        bits = self.fixed_activation_bits or activation_bits(flat.shape[0])
+        bits = self.fixed_activation_bits or activation_bits()
         threads = torch.get_num_threads()
         if self.native_q4 is not None:
             out = q4.q4_matmul(flat, self.native_q4, threads=threads, activation_bits=bits)

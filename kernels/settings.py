@@ -21,11 +21,14 @@ ACTIVATION_BITS = (8, 16)
 class KernelSettings:
     native: bool = True  # our C kernels for CPU tensors (where a compiler builds them); off: torch ops
     triton_ops: bool = True  # Triton layer ops for CUDA tensors; off: torch ops
-    large_batch_activation_bits: int = 8  # native low-bit linears above SMALL_BATCH_ROWS rows: 8 or 16
+    activation_bits: int = 8  # integers the native low-bit linears take their activations as: 8 or 16
+    # every row's arithmetic fixed by the row itself (no split or format chosen by the batch): decode
+    # rows take the extend kernel's sums, fp32 linears our fixed-order kernel, no shared-prefix pass
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
-        if self.large_batch_activation_bits not in ACTIVATION_BITS:
-            raise ValueError(f"activation bits must be 8 or 16, got {self.large_batch_activation_bits!r}")
+        if self.activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation bits must be 8 or 16, got {self.activation_bits!r}")
 
 
 _current: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar("kernel_settings",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import settings
 from . import shared_prefix as sp
 from .attention_base import AttentionBackend, AttentionMetadata
 from .decode_kv import DecodeKVBuffer
@@ -131,7 +132,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv_ptr = meta.kv_indptr.tolist()
         qo_ptr = meta.qo_indptr.tolist()
         groups, shared = ([], [0] * len(prefix))
-        if self.share_prefixes and len(prefix) > 1:
+        # a shared-prefix pass merges two partial softmaxes: other sums than one pass over the keys
+        if self.share_prefixes and len(prefix) > 1 and not settings.current().batch_invariant:
             groups, shared = sp.find_shared_prefixes(meta.kv_indices, kv_ptr, prefix)
         rest_lens = [kv_ptr[i + 1] - kv_ptr[i] - shared[i] for i in range(len(prefix))]
         device = meta.kv_indices.device

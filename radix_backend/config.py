@@ -65,8 +65,10 @@ class EngineConfig:
     native_kernels: bool = _knob(True, "our C kernels for CPU tensors where a compiler builds them (off: torch ops, "
                                  "the reference); process-wide")
     triton_ops: bool = _knob(True, "Triton layer ops for CUDA tensors (off: torch ops); process-wide")
-    activation_bits: int = _knob(8, "activation integers of the native low-bit linears above 16 rows (16 keeps a "
-                                 "GGUF model's greedy tokens equal to its fp32 reference's); process-wide")
+    activation_bits: int = _knob(8, "activation integers of the native low-bit linears (16 keeps a GGUF model's "
+                                 "greedy tokens equal to its fp32 reference's, at 1.2-1.5x the time)")
+    batch_invariant: bool = _knob(True, "a request's logits never depend on its batch-mates, the cache state or the "
+                                  "chunking (CPU native kernels); off: faster shared-prefix decode and BLAS linears")
     tp_timeout_s: float = _knob(300.0, "seconds one tensor-parallel collective may take before the group fails")
     tp_startup_timeout_s: float = _knob(300.0, "seconds tensor-parallel workers may take to start and load")
     debug_slots: bool = _knob(False, "check every KV slot free/alloc (slow; for tests)", cli=False)
@@ -123,6 +125,7 @@ ENV_KNOBS = {
     "native_kernels": "RADIX_BACKEND_NATIVE",
     "triton_ops": "RADIX_BACKEND_TRITON_OPS",
     "activation_bits": "RADIX_BACKEND_ACTIVATION_BITS",
+    "batch_invariant": "RADIX_BACKEND_BATCH_INVARIANT",
     "tp_timeout_s": "RADIX_TP_TIMEOUT_S",
     "tp_startup_timeout_s": "RADIX_TP_STARTUP_TIMEOUT_S",
 }

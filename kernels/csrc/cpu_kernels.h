@@ -7,6 +7,10 @@ int rb_decode_attention(const float *q, const float *k_cache, const float *v_cac
                         const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
                         int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale,
                         float *out, float *lse, int64_t threads);
+int rb_decode_attention_invariant(const float *q, const float *k_cache, const float *v_cache,
+                              const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
+                              int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float *out,
+                              float *lse, int64_t threads);
 int rb_extend_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts,
                         const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,

@@ -33,12 +33,13 @@ typedef struct {
    (its own slot included). residual: in, the embeddings [T, hidden]; out, the residual stream
    before the last layer's MLP output, which goes to `hidden` [T, hidden] (the model's final norm
    adds the two). The linears split their rows, and attention its requests (or a long request's
-   keys), over `threads` threads; the linears' activations are `activation_bits` (8 or 16) integers.
+   keys), over `threads` threads; the linears' activations are `activation_bits` (8 or 16) integers;
+   `invariant`: attention gives each row the extend kernel's bits (extend_attention.c).
    Returns 0, -1 if memory ran out, -2 for other activation bits. */
 int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_decoder_dims *d, int64_t T,
                     const int64_t *positions, const int64_t *out_slots, const int64_t *kv_indices,
                     const int64_t *starts, const int64_t *lens, float *residual, float *hidden, int64_t threads,
-                    int64_t activation_bits) {
+                    int64_t activation_bits, int64_t invariant) {
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = d->intermediate;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
@@ -63,8 +64,9 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
                     L->k_cache + out_slots[t] * kv_size);
             memcpy(L->v_cache + out_slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
-        rc = rb_decode_attention(q, L->k_cache, L->v_cache, kv_indices, starts, lens, T, d->kv_heads,
-                                 d->heads / d->kv_heads, D, d->scale, attn, NULL, threads);
+        rc = (invariant && D % 16 == 0 ? rb_decode_attention_invariant : rb_decode_attention)(
+            q, L->k_cache, L->v_cache, kv_indices, starts, lens, T, d->kv_heads, d->heads / d->kv_heads, D, d->scale,
+            attn, NULL, threads);
         q4_linear(&L->o, attn, T, &quantized, hidden, threads);
         rb_add_rms_norm(hidden, residual, L->post_norm, T, H, d->eps, normed, residual);
         q4_linear(&L->gate_up, normed, T, &quantized, gate_up, threads);

@@ -79,45 +79,64 @@ typedef struct {
     const float **keys, **values; /* [BLOCK_KEYS]: the block's rows in the pool */
 } tile_scratch;
 
-/* s_t[j][c] = sum_d keys[j][d] * q_t[d][c] for KEY_GROUP keys and one chunk of rows at column c0. */
-static inline void scores_chunk(const float *restrict q_t, const float **keys, int64_t rows, int64_t D,
-                                int64_t c0, float *restrict s_t) {
+/* s_t[j][c] = sum_d keys[j][d] * q_t[d][c] for KEY_GROUP keys and one chunk of `nv` row vectors at
+   column c0 (nv is a constant where inlined; every lane computes the same sums whatever nv is). */
+static inline __attribute__((always_inline)) void scores_chunk(const float *restrict q_t, const float **keys,
+                                                               int64_t rows, int64_t D, int64_t c0,
+                                                               float *restrict s_t, const int nv) {
     vec acc[KEY_GROUP][ROW_VECS] = {{{0}}};
     for (int64_t d = 0; d < D; d++) {
         const vec *q = (const vec *)(q_t + d * rows + c0);
         vec qv[ROW_VECS];
-        for (int u = 0; u < ROW_VECS; u++) qv[u] = q[u];
+        for (int u = 0; u < nv; u++) qv[u] = q[u];
         for (int k = 0; k < KEY_GROUP; k++) {
             const float x = keys[k][d];
-            for (int u = 0; u < ROW_VECS; u++) acc[k][u] += x * qv[u];
+            for (int u = 0; u < nv; u++) acc[k][u] += x * qv[u];
         }
     }
     for (int k = 0; k < KEY_GROUP; k++)
-        for (int u = 0; u < ROW_VECS; u++) ((vec *)(s_t + k * rows + c0))[u] = acc[k][u];
+        for (int u = 0; u < nv; u++) ((vec *)(s_t + k * rows + c0))[u] = acc[k][u];
 }
 
-/* o_t[d][c] += sum_j values[j][d] * p_t[j][c] for KEY_GROUP features d0.. and one chunk of rows. */
-static inline void values_chunk(const float *restrict p_t, const float **values, int64_t keys, int64_t rows,
-                                int64_t d0, int64_t c0, float *restrict o_t) {
+/* o_t[d][c] += sum_j values[j][d] * p_t[j][c] for KEY_GROUP features d0.. and one chunk of `nv` row
+   vectors. */
+static inline __attribute__((always_inline)) void values_chunk(const float *restrict p_t, const float **values,
+                                                               int64_t keys, int64_t rows, int64_t d0, int64_t c0,
+                                                               float *restrict o_t, const int nv) {
     vec acc[KEY_GROUP][ROW_VECS];
     for (int k = 0; k < KEY_GROUP; k++)
-        for (int u = 0; u < ROW_VECS; u++) acc[k][u] = ((const vec *)(o_t + (d0 + k) * rows + c0))[u];
+        for (int u = 0; u < nv; u++) acc[k][u] = ((const vec *)(o_t + (d0 + k) * rows + c0))[u];
     for (int64_t j = 0; j < keys; j++) {
         const vec *p = (const vec *)(p_t + j * rows + c0);
         vec pv[ROW_VECS];
-        for (int u = 0; u < ROW_VECS; u++) pv[u] = p[u];
+        for (int u = 0; u < nv; u++) pv[u] = p[u];
         const float *v = values[j] + d0;
         for (int k = 0; k < KEY_GROUP; k++) {
             const float x = v[k];
-            for (int u = 0; u < ROW_VECS; u++) acc[k][u] += x * pv[u];
+            for (int u = 0; u < nv; u++) acc[k][u] += x * pv[u];
         }
     }
     for (int k = 0; k < KEY_GROUP; k++)
-        for (int u = 0; u < ROW_VECS; u++) ((vec *)(o_t + (d0 + k) * rows + c0))[u] = acc[k][u];
+        for (int u = 0; u < nv; u++) ((vec *)(o_t + (d0 + k) * rows + c0))[u] = acc[k][u];
 }
 
+/* Both products over the tile's rows: whole chunks of ROW_VECS vectors, then the last 1-2 vectors
+   (a decode tile of one position is a single vector of rows). */
+static void tile_scores(const tile_scratch *t, int64_t j, int64_t rows, int64_t D) {
+    int64_t c0 = 0;
+    for (; c0 + CHUNK_ROWS <= rows; c0 += CHUNK_ROWS) scores_chunk(t->q_t, t->keys + j, rows, D, c0, t->s_t + j * rows, ROW_VECS);
+    for (; c0 < rows; c0 += VEC) scores_chunk(t->q_t, t->keys + j, rows, D, c0, t->s_t + j * rows, 1);
+}
+
+static void tile_values(const tile_scratch *t, int64_t keys, int64_t d0, int64_t rows) {
+    int64_t c0 = 0;
+    for (; c0 + CHUNK_ROWS <= rows; c0 += CHUNK_ROWS) values_chunk(t->s_t, t->values, keys, rows, d0, c0, t->o_t, ROW_VECS);
+    for (; c0 < rows; c0 += VEC) values_chunk(t->s_t, t->values, keys, rows, d0, c0, t->o_t, 1);
+}
+
+/* a tile's rows padded to whole vectors */
 static inline int64_t tile_rows(int64_t positions, int64_t group) {
-    return (positions * group + CHUNK_ROWS - 1) / CHUNK_ROWS * CHUNK_ROWS;
+    return (positions * group + VEC - 1) / VEC * VEC;
 }
 
 /* One task: request b, kv head h, query positions [first, first + count) of the request. */
@@ -150,9 +169,7 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
             t->keys[j] = a->k_cache + slot * row + h * D;
             t->values[j] = a->v_cache + slot * row + h * D;
         }
-        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP)
-            for (int64_t c0 = 0; c0 < rows; c0 += CHUNK_ROWS)
-                scores_chunk(t->q_t, t->keys + j, rows, D, c0, t->s_t + j * rows);
+        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
         /* online softmax, vectorized across rows: new max, rescale factor, probabilities */
         vec *restrict mx = (vec *)t->max, *restrict sm = (vec *)t->sum, *restrict corr = (vec *)t->corr;
         const vec *restrict lim = (const vec *)t->limit, none = (vec){0} - INFINITY;
@@ -178,9 +195,7 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
             vec *o = (vec *)(t->o_t + d * rows);
             for (int64_t u = 0; u < row_vecs; u++) o[u] *= corr[u];
         }
-        for (int64_t d0 = 0; d0 < D; d0 += KEY_GROUP)
-            for (int64_t c0 = 0; c0 < rows; c0 += CHUNK_ROWS)
-                values_chunk(t->s_t, t->values, padded_keys, rows, d0, c0, t->o_t);
+        for (int64_t d0 = 0; d0 < D; d0 += KEY_GROUP) tile_values(t, padded_keys, d0, rows);
     }
     for (int64_t r = 0; r < used; r++) {
         const int64_t token = a->q_starts[b] + first + r / G, head = h * G + r % G;
@@ -220,18 +235,11 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
     free(t.keys), free(t.values);
 }
 
-/* Request b's q_lens[b] new tokens are q rows [q_starts[b], + q_lens[b]); its keys are the pool slots
-   kv_indices[kv_starts[b] : + kv_lens[b]], the new tokens' own last. Causal: new token i sees keys
-   [0, kv_lens[b] - q_lens[b] + i]; otherwise every token sees all kv_lens[b] keys.
-   q, out: [T, Hkv * G, D]; k_cache, v_cache: [slots, Hkv, D]; lse: [T, Hkv * G] (natural log) or NULL.
-   dim must be a multiple of 16. Returns 0; -1 when memory ran out, -2 for an unsupported dim. */
-int rb_extend_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
-                        const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts,
-                        const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,
-                        float scale, int causal, float *out, float *lse, int64_t threads) {
+static int attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
+                  const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts, const int64_t *kv_lens,
+                  int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, int causal, float *out,
+                  float *lse, int64_t threads, int64_t per_tile) {
     if (dim % 16 != 0) return -2; /* a multiple of KEY_GROUP */
-    int64_t per_tile = TILE_ROWS / group;
-    per_tile = per_tile < 1 ? 1 : per_tile;
     int64_t *task_first = malloc(sizeof(int64_t) * (batch + 1));
     if (!task_first) return -1;
     task_first[0] = 0;
@@ -242,5 +250,122 @@ int rb_extend_attention(const float *q, const float *k_cache, const float *v_cac
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(extend_part, &job, threads < 1 ? 1 : threads);
     free(task_first);
+    return job.failed ? -1 : 0;
+}
+
+/* Request b's q_lens[b] new tokens are q rows [q_starts[b], + q_lens[b]); its keys are the pool slots
+   kv_indices[kv_starts[b] : + kv_lens[b]], the new tokens' own last. Causal: new token i sees keys
+   [0, kv_lens[b] - q_lens[b] + i]; otherwise every token sees all kv_lens[b] keys.
+   q, out: [T, Hkv * G, D]; k_cache, v_cache: [slots, Hkv, D]; lse: [T, Hkv * G] (natural log) or NULL.
+   dim must be a multiple of 16. Returns 0; -1 when memory ran out, -2 for an unsupported dim.
+   A row's result depends on its own query and keys only: key blocks start at the request's first
+   key whatever the tile, masked keys add exact zeros, and blocks past a row's last key leave it
+   unchanged (exp(0) == 1 exactly), so chunked prefill, a cached prefix and the tile a row shares
+   with others give the same bits. */
+int rb_extend_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
+                        const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts,
+                        const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,
+                        float scale, int causal, float *out, float *lse, int64_t threads) {
+    const int64_t per_tile = TILE_ROWS / group;
+    return attend(q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch, hkv, group, dim,
+                  scale, causal, out, lse, threads, per_tile < 1 ? 1 : per_tile);
+}
+
+/* ---- decode: one query row per request, the same sums with keys as vector lanes ------------------
+
+   A decode row must get exactly the bits the tiles above give it (a token decoded, the same
+   position recomputed by a cold prefill, or verified inside a longer extend), but a tile of one
+   position fills only G lanes of a vector. Here the lanes hold keys instead: scores are the same
+   fused multiply-adds over d in the same order (each lane one key), the softmax takes the same
+   64-key blocks, running max, rescale factor and sequential sum, and the values are accumulated
+   per feature in key order, as `values_chunk` does per row. */
+typedef struct {
+    float *qs;    /* [G][D]: scaled queries */
+    float *kt;    /* [D][BLOCK_KEYS]: the block's keys, transposed */
+    float *s;     /* [G][BLOCK_KEYS]: scores, then probabilities */
+    float *o;     /* [G][D]: output accumulators */
+    float *max, *sum; /* [G] */
+} decode_scratch;
+
+static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp_vec's value, lane 0 */
+
+static void decode_task(const extend_job *a, const decode_scratch *t, int64_t b, int64_t h) {
+    const int64_t G = a->group, D = a->dim, Hq = a->hkv * G, row = a->hkv * D, L = a->kv_lens[b];
+    const int64_t *slots = a->kv_indices + a->kv_starts[b];
+    for (int64_t g = 0; g < G; g++) {
+        const float *src = a->q + (b * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; d++) t->qs[g * D + d] = src[d] * a->scale;
+        t->max[g] = -INFINITY;
+        t->sum[g] = 0.f;
+    }
+    memset(t->o, 0, sizeof(float) * G * D);
+    for (int64_t j0 = 0; j0 < L; j0 += BLOCK_KEYS) {
+        const int64_t n = L - j0 < BLOCK_KEYS ? L - j0 : BLOCK_KEYS, nv = (n + VEC - 1) / VEC;
+        for (int64_t j = 0; j < nv * VEC; j++) { /* lanes past n repeat the last key; never used */
+            const float *k = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
+            for (int64_t d = 0; d < D; d++) t->kt[d * BLOCK_KEYS + j] = k[d];
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const float *qs = t->qs + g * D;
+            vec *s = (vec *)(t->s + g * BLOCK_KEYS);
+            for (int64_t u = 0; u < nv; u++) {
+                vec acc = {0};
+                for (int64_t d = 0; d < D; d++) acc += ((const vec *)(t->kt + d * BLOCK_KEYS))[u] * qs[d];
+                s[u] = acc;
+            }
+            float *sg = t->s + g * BLOCK_KEYS, *og = t->o + g * D;
+            const float old = t->max[g];
+            float m = old;
+            for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
+            const float corr = old == -INFINITY ? 0.f : exp_one(old - m);
+            t->max[g] = m;
+            float sum = t->sum[g] * corr;
+            for (int64_t u = 0; u < nv; u++) s[u] = exp_vec(s[u] - m);
+            for (int64_t j = 0; j < n; j++) sum += sg[j];
+            t->sum[g] = sum;
+            for (int64_t d = 0; d < D; d++) og[d] *= corr;
+            for (int64_t j = 0; j < n; j++) {
+                const float *v = a->v_cache + slots[j0 + j] * row + h * D, p = sg[j];
+                for (int64_t d = 0; d < D; d += VEC) *(vec *)(og + d) += *(const vec *)(v + d) * p;
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t head = h * G + g;
+        const float inv = 1.f / t->sum[g];
+        float *dst = a->out + (b * Hq + head) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = t->o[g * D + d] * inv;
+        if (a->lse) a->lse[b * Hq + head] = t->max[g] + logf(t->sum[g]);
+    }
+}
+
+static void decode_part(void *ctx, int64_t part, int64_t parts) {
+    (void)part, (void)parts;
+    extend_job *a = (extend_job *)ctx;
+    const int64_t G = a->group, D = a->dim;
+    decode_scratch t = {aligned_floats(G * D), aligned_floats(D * BLOCK_KEYS), aligned_floats(G * BLOCK_KEYS),
+                        aligned_floats(G * D), aligned_floats(G), aligned_floats(G)};
+    if (t.qs && t.kt && t.s && t.o && t.max && t.sum) {
+        int64_t task;
+        while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) decode_task(a, &t, task / a->hkv, task % a->hkv);
+    } else {
+        a->failed = 1;
+    }
+    free(t.qs), free(t.kt), free(t.s), free(t.o), free(t.max), free(t.sum);
+}
+
+/* One query row per request (a decode step), bit for bit what `rb_extend_attention` gives the last
+   row of a request with the same keys. q, out: [B, Hkv * G, D]; request b's keys are
+   kv_indices[starts[b] : + lens[b]] (lens[b] >= 1); lse: [B, Hkv * G] or NULL. dim % VEC == 0.
+   Returns 0, -1 when memory ran out, -2 for an unsupported dim. */
+int rb_decode_attention_invariant(const float *q, const float *k_cache, const float *v_cache,
+                              const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
+                              int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float *out,
+                              float *lse, int64_t threads) {
+    if (dim % 16 != 0) return -2;
+    extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
+                      dim, 1, batch * hkv, 0, scale, out, lse, NULL, 0, 0};
+    if (threads > job.tasks) threads = job.tasks;
+    rb_parallel(decode_part, &job, threads < 1 ? 1 : threads);
     return job.failed ? -1 : 0;
 }

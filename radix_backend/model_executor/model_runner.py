@@ -52,7 +52,8 @@ class KernelPath:
     linears: str  # the quantization mode and why
     decode_stack: bool  # small decode steps run every layer in one native call
     cuda_graph: bool
-    activation_bits: int  # of the native low-bit linears above 16 rows (16 below)
+    activation_bits: int  # of the native low-bit linears, every row
+    batch_invariant: bool  # a row's logits do not depend on its batch-mates, the cache or the chunking
 
 
 @dataclass
@@ -115,7 +116,8 @@ class ModelRunner:
                                            startup_timeout_s=config.tp_startup_timeout_s)
             self.device = self.tp.device
         self.kernel_settings = settings.KernelSettings(native=config.native_kernels, triton_ops=config.triton_ops,
-                                                       large_batch_activation_bits=config.activation_bits)
+                                                       activation_bits=config.activation_bits,
+                                                       batch_invariant=config.batch_invariant)
         try:
             with settings.active(self.kernel_settings):  # the linears pick their kernels while built
                 self._build(checkpoint, config)
@@ -176,7 +178,8 @@ class ModelRunner:
                           attention=self.attention_backend.name, layer_ops=layer_ops,
                           linears=f"{report.mode} ({report.reason})", decode_stack=report.decode_stack,
                           cuda_graph=self.graph_runner is not None,
-                          activation_bits=settings.current().large_batch_activation_bits)
+                          activation_bits=settings.current().activation_bits,
+                          batch_invariant=settings.current().batch_invariant)
 
     def _init_graph_runner(self, max_batch_size: int) -> None:
         """Capture the decode step per batch size (eagerly padded on CPU, which is how it is tested)."""

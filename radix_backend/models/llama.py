@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radix_backend.kernels import ops, quant
+from radix_backend.kernels import ops, quant, settings
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
 from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights, NativeWeight
 from radix_backend.kernels.q4 import DenseWeight
@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
                 and (slots := backend.native_decode_slots(meta)) is not None and stack.bind(kv_caches)):
             threads = self.head_threads or torch.get_num_threads()  # the step's thread budget
             hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads,
-                                         activation_bits=quant.activation_bits(input_ids.shape[0]))
+                                         activation_bits=quant.activation_bits(),
+                                         invariant=settings.current().batch_invariant)
         else:
             residual = None
             for layer, kv in zip(self.layers, kv_caches):

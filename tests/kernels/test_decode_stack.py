@@ -72,16 +72,22 @@ def test_dense_fp32_matmul_is_the_fp32_product(rows, threads):
         q4.DenseWeight(weight.half(), None)
 
 
-def test_int4_linear_takes_large_batches_in_8_bits_and_small_ones_in_16():
+@pytest.mark.parametrize("bits", [8, 16])
+def test_int4_linear_takes_every_batch_in_the_configured_activation_bits(bits):
+    """One activation format for every row count, so a row's output does not depend on how many
+    rows came with it: bit for bit the same alone and in a batch."""
     q = random_q4(64, 128, seed=3)
     layer = quant.Int4Linear(q, dense_dtype=torch.bfloat16)
     assert layer.native_q4 is not None and layer.dense_weight is None  # no dense copy beside the codes
     weight = q.dequantize().double()
-    small, large = torch.randn(quant.SMALL_BATCH_ROWS, 128), torch.randn(quant.SMALL_BATCH_ROWS + 1, 128)
-    assert relative_error(layer(small), small.double() @ weight.t()) < 1e-4
-    want = (rounded_to_8_bits(large) if settings.current().large_batch_activation_bits == 8 else large.double()) @ weight.t()
-    assert relative_error(layer(large), want) < 1e-3
-    assert layer(torch.randn(0, 128)).shape == (0, 64)  # an empty batch is an empty result, not an error
+    x = torch.randn(40, 128)
+    with settings.overridden(activation_bits=bits):
+        batch = layer(x)
+        want = (rounded_to_8_bits(x) if bits == 8 else x.double()) @ weight.t()
+        assert relative_error(batch, want) < (1e-3 if bits == 8 else 1e-4)
+        for rows in (1, 3, 17):
+            assert torch.equal(layer(x[:rows]), batch[:rows])
+        assert layer(torch.randn(0, 128)).shape == (0, 64)  # an empty batch is an empty result, not an error
 
 
 def test_q4_packing_refuses_what_it_cannot_keep_exactly():

@@ -321,3 +321,33 @@ def test_quantized_matmuls_check_the_input_width():
     packed = q8.q8_0_codes(torch.randn(16, 64))
     with pytest.raises(ValueError, match=r"\[M, 64\]"):
         q8.q8_matmul(torch.randn(2, 32), packed)
+
+
+@pytest.mark.parametrize("hq,hkv,dim,keys", [(9, 3, 64, 1), (9, 3, 64, 130), (32, 8, 128, 300), (4, 4, 96, 77),
+                                             (8, 1, 256, 700)])
+def test_invariant_decode_gives_each_row_the_extend_kernels_bits(hq, hkv, dim, keys):
+    """A decode row equals, bit for bit, the extend kernel's row at the same position, whatever the
+    batch: so a token decoded, recomputed in a cold prefill or verified inside a longer extend
+    gets the same logits. The default decode kernel (invariance off) is only close."""
+    gen = torch.Generator().manual_seed(keys)
+    batch, new = 3, 5
+    k_cache, v_cache = torch.randn(batch * keys + 4, hkv, dim, generator=gen), torch.randn(batch * keys + 4, hkv, dim, generator=gen)
+    kv_indices = torch.randperm(batch * keys + 4, generator=gen)[:batch * keys]
+    starts, lens = torch.arange(batch) * keys, torch.full((batch,), keys)
+    q = torch.randn(batch * new, hq, dim, generator=gen)
+    last = torch.arange(batch) * new + new - 1
+    extend = extend_lse = None
+    if keys >= new:  # each request's last `new` keys are its new tokens', the last row sees them all
+        extend, extend_lse = native.extend_attention(q, k_cache, v_cache, kv_indices, torch.arange(batch) * new,
+                                                     torch.full((batch,), new), starts, lens, 0.125, with_lse=True,
+                                                     threads=2)
+    for threads in (1, 2):
+        out, lse = native.decode_attention(q[last], k_cache, v_cache, kv_indices, starts, lens, 0.125, with_lse=True,
+                                           threads=threads, invariant=True)
+        alone, _ = native.decode_attention(q[last][:1], k_cache, v_cache, kv_indices, starts[:1], lens[:1], 0.125,
+                                           invariant=True)
+        assert torch.equal(alone[0], out[0])
+        if extend is not None:
+            assert torch.equal(out, extend[last]) and torch.equal(lse, extend_lse[last])
+        default, _ = native.decode_attention(q[last], k_cache, v_cache, kv_indices, starts, lens, 0.125, threads=threads)
+        torch.testing.assert_close(out, default, atol=2e-6, rtol=1e-5)

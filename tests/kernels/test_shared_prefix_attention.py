@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from radix_backend.kernels import native
+from radix_backend.kernels import native, settings
 from radix_backend.kernels import shared_prefix as sp
 from radix_backend.kernels.attention_base import AttentionMetadata
 from radix_backend.kernels.native_backend import NativeCPUAttentionBackend, NativePlan
@@ -61,9 +61,11 @@ def run(slot_lists, prefix_lens, extend_lens, share=True, seed=0):
     meta = AttentionMetadata.build(prefix_lens, extend_lens, torch.tensor([s for x in slot_lists for s in x]),
                                    out_slots, "cpu")
     backend = Backend(share_prefixes=share)
-    backend.begin_forward(meta)
     scale = 1 / math.sqrt(D)
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    # the shared-prefix pass runs where batch invariance is off (it sums in another order)
+    with settings.overridden(batch_invariant=False):
+        backend.begin_forward(meta)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     k_cache[out_slots], v_cache[out_slots] = k, v
     return out, reference(q, k_cache, v_cache, slot_lists, prefix_lens, extend_lens, scale), backend
 
@@ -150,3 +152,14 @@ def test_forward_without_begin_forward_plans_itself():
     shared = Backend().forward(q, kv, kv, cache.clone(), cache.clone(), meta, 0.25)
     plain = Backend(share_prefixes=False).forward(q, kv, kv, cache.clone(), cache.clone(), meta, 0.25)
     torch.testing.assert_close(shared, plain, atol=2e-5, rtol=1e-4)
+
+
+def test_batch_invariance_attends_a_shared_prefix_in_one_pass_per_request():
+    """The shared pass merges two partial softmaxes, which sums in another order than a request
+    alone: with batch invariance (the default) every request takes one pass over its keys."""
+    slots, prefix = shared_batch(4, shared=64, own=[3, 5, 2, 7], extend=[1, 1, 1, 1])
+    meta = AttentionMetadata.build(prefix, [1] * 4, torch.tensor([s for x in slots for s in x]),
+                                   torch.tensor([x[-1] for x in slots]), "cpu")
+    backend = Backend()
+    backend.begin_forward(meta)
+    assert backend._plan.groups == []
