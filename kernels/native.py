@@ -221,7 +221,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(batch, hq, dtype=torch.float32) if with_lse else None
-    kernel = library().rb_decode_attention_invariant if invariant and dim % 16 == 0 else library().rb_decode_attention
+    kernel = library().rb_decode_attention_invariant if invariant and extend_attention_dim_ok(dim) else library().rb_decode_attention
     rc = kernel(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), starts.data_ptr(),
         lens.data_ptr(), batch, hkv, hq // hkv, dim, scale, out.data_ptr(), _ptr(lse), threads)

@@ -118,6 +118,11 @@ class _LowBitLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.register_buffer("dense_weight", None if dense_weight is None else dense_weight.contiguous())
 
+    @property
+    def runs_natively(self) -> bool:
+        """Whether our native kernel serves every row (a row's result independent of the batch)."""
+        raise NotImplementedError
+
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] in the caller's dtype -> [M, N] (any float dtype)."""
         raise NotImplementedError
@@ -158,6 +163,10 @@ class Int4Linear(_LowBitLinear):
         scales_and_zeros = torch.stack([q.scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(KERNEL_DTYPE))
 
+    @property
+    def runs_natively(self) -> bool:
+        return self.native_q4 is not None
+
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_q4 is not None:
             return q4.q4_matmul(x, self.native_q4, threads=torch.get_num_threads(),
@@ -192,7 +201,9 @@ class Int8Linear(_LowBitLinear):
             packed = weight if isinstance(weight, q8.PackedQ8) else q8.q8_0_codes(weight)
             tiled = q8.tile(packed)
             codes, scale = packed.codes, packed.scales
-            dense = None if dense_dtype is None or tiled is not None else packed.dequantize().to(dense_dtype)
+            # a dense copy for large batches would pick the format by row count: not when invariant
+            keeps_dense = dense_dtype is not None and tiled is None and not settings.current().batch_invariant
+            dense = packed.dequantize().to(dense_dtype) if keeps_dense else None
         else:
             codes, row_scale = int8_rows(weight)
             scale = row_scale.to(KERNEL_DTYPE)
@@ -208,6 +219,10 @@ class Int8Linear(_LowBitLinear):
             self.register_buffer("tiled_codes", tiled.codes)
             self.register_buffer("tiled_scales", tiled.scales)
             self.register_buffer("tiled_offsets", tiled.offsets)
+
+    @property
+    def runs_natively(self) -> bool:
+        return self.native_q8 is not None or self.native_q8_tiled is not None
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_q8_tiled is not None:
@@ -327,6 +342,12 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         parts = ", ".join(f"{kind} ({kernel})" for kind, kernel in self.kernels)
         return f"in_features={self.in_features}, out_features={self.out_features}, {parts}"
+
+
+def low_bit_linears_run_natively(model: nn.Module) -> bool:
+    """Whether every weight-only quantized linear of `model` runs our native kernels for every row
+    count (GGUF linears always do where they were built natively; fp parts go through `ops.linear`)."""
+    return all(m.runs_natively for m in model.modules() if isinstance(m, _LowBitLinear))
 
 
 def _pad(bias: torch.Tensor | None, extra: int) -> torch.Tensor | None:

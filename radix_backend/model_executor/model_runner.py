@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radix_backend.kernels import AttentionMetadata, create_attention_backend, native, settings
+from radix_backend.kernels import AttentionMetadata, create_attention_backend, native, quant, settings
 from radix_backend.kernels.ops import triton_available
 
 from ..mem_cache.kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
@@ -53,7 +53,7 @@ class KernelPath:
     decode_stack: bool  # small decode steps run every layer in one native call
     cuda_graph: bool
     activation_bits: int  # of the native low-bit linears, every row
-    batch_invariant: bool  # a row's logits do not depend on its batch-mates, the cache or the chunking
+    batch_invariant: bool  # holds here: a row's logits do not depend on its batch-mates, the cache or the chunking
 
 
 @dataclass
@@ -174,12 +174,21 @@ class ModelRunner:
         else:
             layer_ops = "triton" if settings.current().triton_ops and triton_available() else "torch"
         report = self.quantization
+        attention = self.attention_backend.name
         return KernelPath(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                          attention=self.attention_backend.name, layer_ops=layer_ops,
+                          attention=attention, layer_ops=layer_ops,
                           linears=f"{report.mode} ({report.reason})", decode_stack=report.decode_stack,
                           cuda_graph=self.graph_runner is not None,
                           activation_bits=settings.current().activation_bits,
-                          batch_invariant=settings.current().batch_invariant)
+                          batch_invariant=self._batch_invariant(attention, layer_ops))
+
+    def _batch_invariant(self, attention: str, layer_ops: str) -> bool:
+        """Whether the guarantee holds for this model, not only whether it was asked for: every op on
+        our native CPU kernels (fp32, one process, a head size the extend kernel takes, every
+        quantized linear native)."""
+        return (settings.current().batch_invariant and self.tp is None and attention == "native"
+                and layer_ops == "native" and native.extend_attention_dim_ok(self.model.layers[0].self_attn.head_dim)
+                and quant.low_bit_linears_run_natively(self.model))
 
     def _init_graph_runner(self, max_batch_size: int) -> None:
         """Capture the decode step per batch size (eagerly padded on CPU, which is how it is tested)."""

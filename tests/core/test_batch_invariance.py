@@ -38,10 +38,10 @@ def step_logits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]
     return seen
 
 
-PATHS = pytest.mark.parametrize("quantization", ["auto", "none"], ids=["gguf-native", "fp32"])
+QUANTIZATIONS, PATH_IDS = ["auto", "none"], ["gguf-native", "fp32"]  # the default path, the fp32 reference
 
 
-@pytest.fixture(scope="module", params=["auto", "none"], ids=["gguf-native", "fp32"])
+@pytest.fixture(scope="module", params=QUANTIZATIONS, ids=PATH_IDS)
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     """A small KV pool (retractions, evictions) and short prefill chunks."""
     with Engine(quantization=request.param, kv_cache_tokens=1000, chunked_prefill_tokens=48) as eng:
@@ -122,7 +122,7 @@ def test_a_retracted_request_resumes_with_the_same_bits(engine: Engine, step_log
     assert_same(alone, together)
 
 
-@PATHS
+@pytest.mark.parametrize("quantization", QUANTIZATIONS, ids=PATH_IDS)
 def test_the_disk_tier_reloads_give_the_same_bits(quantization: str, step_logits, tmp_path: Path) -> None:
     """A long prompt is written through to disk, dropped from memory, and loaded back."""
     with Engine(quantization=quantization, chunked_prefill_tokens=48, disk_cache_dir=str(tmp_path),
@@ -142,3 +142,11 @@ def reload_and_compare(engine: Engine, step_logits) -> None:
     assert engine.cache_stats().disk_hit_tokens > disk_before
     assert list(out.token_ids) == cold_tokens
     assert all(torch.equal(a, b) for a, b in zip(cold_logits, step_logits[out.request_id]))
+
+
+@pytest.mark.parametrize("overrides,holds", [({}, True), ({"batch_invariant": False}, False),
+                                             ({"native_kernels": False}, False)])
+def test_the_kernel_path_says_whether_the_guarantee_holds(tiny_llama_dir: Path, overrides: dict, holds: bool) -> None:
+    """Asked for but not deliverable (torch ops instead of the native kernels) reads as False."""
+    with Engine(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_tokens=256, **overrides) as eng:
+        assert eng.kernel_path.batch_invariant is holds
