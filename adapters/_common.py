@@ -80,6 +80,11 @@ class Usage:
             return cls(0, 0, 0)
         return cls(meta.prompt_tokens, meta.completion_tokens, meta.cached_tokens)
 
+    def as_input_output(self) -> dict[str, int]:
+        """pydantic-ai's and DSPy's usage fields (input, output and cache-read tokens)."""
+        return {"input_tokens": self.prompt_tokens, "output_tokens": self.completion_tokens,
+                "cache_read_tokens": self.cached_tokens}
+
     def as_openai(self) -> dict[str, Any]:
         """OpenAI-style usage dict (what LlamaIndex's token counter reads from `raw["usage"]`)."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

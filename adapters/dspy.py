@@ -15,7 +15,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from ._common import require, resolve_engine
+from ._common import Usage as TokenCounts, require, resolve_engine
 
 require("dspy", "dspy")
 
@@ -128,9 +128,8 @@ def sampling_params(request: Request, default_max_tokens: int = DEFAULT_MAX_TOKE
 
 def _usage(meta: RequestMeta | None) -> Usage:
     if meta is None:
-        return Usage()
-    return Usage(input_tokens=meta.prompt_tokens, output_tokens=meta.completion_tokens,
-                 cache_read_tokens=meta.cached_tokens)
+        return Usage()  # unknown, not zero
+    return Usage(**TokenCounts.from_meta(meta).as_input_output())
 
 
 def _finish(reason: str | None, tool_calls: bool = False) -> str:

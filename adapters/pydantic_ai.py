@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ._common import require, resolve_engine
+from ._common import Usage, require, resolve_engine
 
 require("pydantic_ai", "pydantic-ai", "pydantic-ai-slim")
 
@@ -182,10 +182,7 @@ def sampling_params(settings: ModelSettings, default_max_tokens: int) -> Samplin
 
 
 def usage(meta: RequestMeta | None) -> RequestUsage:
-    if meta is None:
-        return RequestUsage()
-    return RequestUsage(input_tokens=meta.prompt_tokens, output_tokens=meta.completion_tokens,
-                        cache_read_tokens=meta.cached_tokens)
+    return RequestUsage(**Usage.from_meta(meta).as_input_output())
 
 
 def finish_reason(reason: str | None, tool_calls: bool) -> str:
