@@ -11,7 +11,10 @@
 3. end to end: the few-shot, multi-turn and branching workloads through
    `radix_backend.Engine(attention_backend=...)` for every backend and every model of `--models`
    (the embedded SmolLM2 by default; `--random-model DIR` adds a random-weight 0.5B Llama);
-4. a sweep of Triton launch configs (decode splits / tiles, extend tiles / stages) on the widest
+4. with `--invariance`, batch invariance per backend and dtype on SmolLM2: each request's logits
+   at every step alone on a cold cache against inside a mixed batch (bench.invariance; reported,
+   not failed: the invariance claim is the CPU path's);
+5. a sweep of Triton launch configs (decode splits / tiles, extend tiles / stages) on the widest
    decode and the extend shape, to tune the defaults;
 then prints a short table (last) and writes `gpu_check.json` into the folder given by `--out`
 after every section.
@@ -159,6 +162,7 @@ class Report:
     errors: list[str] = field(default_factory=list)
     targets: list[dict[str, Any]] = field(default_factory=list)
     sweep: list[dict[str, Any]] = field(default_factory=list)
+    invariance: list[dict[str, Any]] = field(default_factory=list)
 
     def guard(self, section: str, fn: Callable[[], None]) -> None:
         try:
@@ -606,6 +610,28 @@ def write_random_llama(dest: str, device: str, tokenizer_source: str | None = No
     return dest
 
 
+# ----------------------------------------------------------------------------- 4. batch invariance
+
+def check_invariance(report: Report, device: str, backends: list[str], model: str | None = None,
+                     dtypes: tuple[str, ...] = ("float32", "bfloat16"), seed: int = 0) -> None:
+    """Per backend and dtype: how many steps' logits are bit-identical alone and in a mixed batch."""
+    from radix_backend import Engine
+    from radix_backend.bench import invariance
+    cases = invariance.random_cases(seed)
+    for dtype in dtypes:
+        for name in backends:
+            if name == "flashinfer" and dtype == "float32":
+                continue
+            with Engine(model=model, device=device, dtype=dtype, attention_backend=name, kv_cache_tokens=20_000,
+                        chunked_prefill_tokens=48) as engine, invariance.recording_step_logits() as logits:
+                alone = invariance.run_alone(engine, cases, logits)
+                together = invariance.run_together(engine, cases, logits, seed)
+            row = invariance.compare(alone, together).as_row()
+            report.invariance.append(dict(model=model_label(model), backend=name, dtype=dtype, **row))
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------- report
 
 def format_table(report: Report) -> str:
@@ -631,6 +657,12 @@ def format_table(report: Report) -> str:
             lines.append(f"  {e.get('model', 'SmolLM2-135M'):<14} {e['backend']:<11} {e['workload']:<10} {e['requests']:>4} req "
                          f"{e['tok_per_s']:>9.1f} tok/s hit {e['hit_rate']:.2f} "
                          f"same-as-first {e['same_as_first']:.2f} (load {e['load_s']:.1f}s, {e['source']})")
+    if report.invariance:
+        lines.append("== batch invariance (logits alone vs in a mixed batch, bit for bit)")
+        for r in report.invariance:
+            lines.append(f"  {r['model']:<14} {r['backend']:<11} {r['dtype']:<9} identical steps "
+                         f"{r['identical_steps']}/{r['steps']}, requests {r['identical_requests']}/{r['requests']}, "
+                         f"same tokens {r['same_tokens']}/{r['requests']}, max |diff| {r['max_abs_diff']:.2e}")
     for err in report.errors:
         lines.append(f"  ERROR {err}")
     return "\n".join(lines)
@@ -651,6 +683,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write a random-weight 0.5B Llama (SmolLM2's tokenizer) to DIR and add it to --models")
     p.add_argument("--hf-greedy", action="store_true",
                    help="compare every backend's greedy tokens with HF transformers on the GPU, per model")
+    p.add_argument("--invariance", action="store_true",
+                   help="measure batch invariance per backend and dtype on the first model of --models")
     p.add_argument("--skip-correctness", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
@@ -699,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
         section("kernel timing", lambda: bench_attention(report, args.device, backends, args.iters, args.quick))
     if not args.skip_e2e:
         section("end to end", lambda: bench_e2e(report, args.device, backends, args.quick, models=models))
+    if args.invariance:
+        section("batch invariance", lambda: check_invariance(report, args.device, backends, models[0]))
     if not args.skip_bench and "triton" in backends and not args.skip_sweep:
         section("triton sweep", lambda: sweep_triton(report, args.device, args.iters // 2 or 1, args.quick))
     print(format_table(report))

@@ -148,8 +148,16 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[int]:
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             probs = _filter_probs(probs, top_k, top_p, min_p)
         for j, i in enumerate(sampled):
-            out[i] = int(torch.multinomial(probs[j], 1, generator=rows[i].generator).item())
+            out[i] = _draw(probs[j], rows[i].generator)
     return out
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from `probs`; a seeded row draws on its generator's device (the CPU), so the
+    same seed gives the same token whether the logits came from the CPU or a GPU."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], top_n: list[int]) -> list[TokenLogprob]:

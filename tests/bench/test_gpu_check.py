@@ -171,3 +171,16 @@ def test_bench_e2e_on_cpu_engine() -> None:
     few = next(e for e in report.e2e if e["workload"] == "few-shot")
     assert few["tokens"] > 0 and few["hit_rate"] > 0.0  # the shared few-shot prefix is served from cache
     assert few["source"] == "bench.workloads", few.get("note")
+
+
+def test_invariance_section_reports_the_engine_path(tiny_llama_dir) -> None:
+    """The section's real Engine path on CPU: the native backend is bit-identical alone and batched;
+    the torch backend (no invariance claim) is measured and reported."""
+    report = gc.Report()
+    gc.check_invariance(report, "cpu", ["native", "torch"], str(tiny_llama_dir), dtypes=("float32",))
+    assert not report.errors, report.errors
+    native, torch_row = report.invariance
+    assert native["backend"] == "native" and native["steps"] > 0
+    assert native["identical_steps"] == native["steps"] and native["same_tokens"] == native["requests"]
+    assert "batch invariance" in gc.format_table(report)
+    assert torch_row["steps"] > 0

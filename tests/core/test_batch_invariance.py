@@ -7,7 +7,6 @@ other places, after a retraction, greedy or with a seed. Checked on SmolLM2 on t
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,27 +14,24 @@ import pytest
 import torch
 
 from radix_backend import Engine, SamplingParams
+from radix_backend.bench.invariance import (
+    Case,
+    random_cases,
+    recording_step_logits,
+    retraction_cases,
+    run_alone,
+    run_together,
+)
 from radix_backend.kernels import native
-from radix_backend.scheduler import output_processor
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="batch invariance is a property of the native CPU kernels")
 
-Case = tuple[list[int], SamplingParams]
-
 
 @pytest.fixture
-def step_logits(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[torch.Tensor]]:
+def step_logits() -> Iterator[dict[str, list[torch.Tensor]]]:
     """Every sampled row's logits, per request id, in step order."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    sample = output_processor.OutputProcessor._sample
-
-    def recording(self, items, logits):
-        for req, row in items:
-            seen.setdefault(req.rid, []).append(logits[row].clone())
-        return sample(self, items, logits)
-
-    monkeypatch.setattr(output_processor.OutputProcessor, "_sample", recording)
-    return seen
+    with recording_step_logits() as seen:
+        yield seen
 
 
 QUANTIZATIONS, PATH_IDS = ["auto", "none"], ["gguf-native", "fp32"]  # the default path, the fp32 reference
@@ -47,51 +43,6 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     with Engine(quantization=request.param, kv_cache_tokens=1000, chunked_prefill_tokens=48) as eng:
         assert eng.kernel_path.batch_invariant
         yield eng
-
-
-def random_cases(seed: int) -> list[Case]:
-    """20-40 requests: half continue one of a shared prompt's prefixes, lengths 2-240 tokens, greedy
-    or seeded sampling, 3-13 new tokens."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(100, 40000) for _ in range(90)]
-    cases = []
-    for i in range(rng.randrange(20, 41)):
-        own = [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 150))]
-        ids = shared[:rng.randrange(40, 91)] + own if rng.random() < 0.5 else own
-        sampled = rng.random() < 0.3
-        cases.append((ids, SamplingParams(max_new_tokens=rng.randrange(3, 14), ignore_eos=True,
-                                          temperature=0.9 if sampled else 0.0, seed=1000 + i if sampled else None)))
-    return cases
-
-
-def retraction_cases() -> list[Case]:
-    """Eight long generations that outgrow the 1000-token pool together (alone each fits)."""
-    rng = random.Random(7)
-    return [([rng.randrange(100, 40000) for _ in range(60)], SamplingParams(max_new_tokens=80, temperature=0.0,
-                                                                             ignore_eos=True)) for _ in range(8)]
-
-
-def run_alone(engine: Engine, cases: list[Case], logits: dict) -> list[tuple[list[int], list[torch.Tensor]]]:
-    results = []
-    for ids, params in cases:
-        assert engine.flush_cache()
-        logits.clear()
-        out = engine.generate(input_ids=ids, params=params)
-        results.append((list(out.token_ids), logits[out.request_id]))
-    return results
-
-
-def run_together(engine: Engine, cases: list[Case], logits: dict, seed: int):
-    """Submitted one after another with random pauses, so batches mix prefill chunks and decode rows."""
-    rng = random.Random(seed)
-    logits.clear()
-    handles = []
-    for ids, params in cases:
-        handles.append(engine.submit(input_ids=ids, params=params))
-        if rng.random() < 0.3:
-            time.sleep(rng.random() * 0.05)
-    outs = [h.wait(300) for h in handles]
-    return [(list(o.token_ids), logits[o.request_id]) for o in outs]
 
 
 def assert_same(alone, together) -> None:
@@ -134,7 +85,7 @@ def reload_and_compare(engine: Engine, step_logits) -> None:
     rng = random.Random(11)
     prompt = [rng.randrange(100, 40000) for _ in range(300)]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    (cold_tokens, cold_logits), = run_alone(engine, [(prompt, params)], step_logits)
+    (cold_tokens, cold_logits), = run_alone(engine, [Case(prompt, params)], step_logits)
     assert engine.flush_cache()
     step_logits.clear()
     disk_before = engine.cache_stats().disk_hit_tokens
