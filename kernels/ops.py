@@ -38,13 +38,18 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 # ----------------------------------------------------------------------------- public API
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias). fp32 on the CPU: with batch invariance (the default kernel settings)
-    and the native kernels built, our fixed-order kernel (`fixed_order_linear`); otherwise oneDNN's
+    """x @ weight^T (+ bias). On a GPU with batch invariance (the default kernel settings) and
+    Triton: the fixed-configuration Triton matmul (`triton_matmul`; cuBLAS picks its kernel by the
+    row count). fp32 on the CPU: with batch invariance and the native kernels built, our
+    fixed-order kernel (`fixed_order_linear`); otherwise oneDNN's
     matmul, which torch ships for its bf16 linears anyway: torch.nn.functional.linear's fp32 BLAS
     (MKL) reaches 40-45 % of its speed on the AMD EPYC measured (1024 x 576 @ 576 x 3072 on 2
     threads: 18.2 vs 8.0 ms; 17 rows: 0.66 vs 0.25 ms), with the same fp32 accuracy."""
+    current = settings.current()
+    if current.batch_invariant and _use_triton(x) and x.dtype == weight.dtype:
+        from . import triton_matmul
+        return triton_matmul.invariant_linear(x, weight, bias)
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
-        current = settings.current()
         if current.batch_invariant and current.native and native.available():
             return fixed_order_linear(x, weight, bias)
         if weight.is_contiguous() and onednn_linear_available():

@@ -1,5 +1,7 @@
 """Backend selection, the one place that picks the attention kernels: `auto` picks flashinfer (CUDA
-and it imports), else triton on CUDA; on the CPU the native kernels where they run, else torch."""
+and it imports), else triton on CUDA; triton first where batch invariance is asked for (its
+invariant kernel; FlashInfer splits by the batch); on the CPU the native kernels where they run,
+else torch."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def available_backends(device: torch.device | str) -> list[str]:
     return names
 
 
-def resolve_backend_name(name: str, device: torch.device | str) -> str:
+def resolve_backend_name(name: str, device: torch.device | str, batch_invariant: bool = False) -> str:
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     avail = available_backends(device)
@@ -49,16 +51,18 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
                          "available here (a CUDA device, no C compiler, or native_kernels off); use torch")
     if name != "auto":
         return name
-    for pick in ("flashinfer", "triton", "native"):
+    for pick in ("triton", "flashinfer", "native") if batch_invariant else ("flashinfer", "triton", "native"):
         if pick in avail:
             return pick
     return "torch"
 
 
-def create_attention_backend(name: str, device: torch.device | str, *, page_size: int = 1, **kwargs) -> AttentionBackend:
+def create_attention_backend(name: str, device: torch.device | str, *, page_size: int = 1,
+                             batch_invariant: bool = False, **kwargs) -> AttentionBackend:
     """The backend `name` resolves to. `page_size` is the KV pool's: FlashInfer's paged kernels
-    need it; torch and triton index token slots directly (any page size works)."""
-    name = resolve_backend_name(name, device)
+    need it; torch and triton index token slots directly (any page size works). `batch_invariant`
+    gives triton its invariant kernel (the native backend reads the kernel settings itself)."""
+    name = resolve_backend_name(name, device, batch_invariant)
     if name == "torch":
         from .torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
@@ -67,6 +71,6 @@ def create_attention_backend(name: str, device: torch.device | str, *, page_size
         return NativeCPUAttentionBackend()
     if name == "triton":
         from .triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend(**kwargs)
+        return TritonAttentionBackend(batch_invariant=batch_invariant, **kwargs)
     from .flashinfer_backend import FlashInferAttentionBackend
     return FlashInferAttentionBackend(device=device, page_size=page_size, **kwargs)

@@ -1,4 +1,5 @@
-"""Triton attention backend: split-K decode kernel for decode batches, extend kernel otherwise.
+"""Triton attention backend: split-K decode kernel for decode batches, extend kernel otherwise;
+with `batch_invariant`, the one invariant kernel (triton_invariant.py) for both.
 
 Plans once per forward batch (split count and split-K scratch shared by all layers). A decode
 step depends on the host only through the batch size and the split count, so it can be captured
@@ -14,6 +15,7 @@ import torch
 from .attention_base import AttentionBackend, AttentionMetadata
 from .triton_decode import decode_attention, decode_workspace, default_num_kv_splits
 from .triton_extend import ExtendConfig, extend_attention
+from .triton_invariant import invariant_attention
 
 
 @dataclass
@@ -28,8 +30,10 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_kv_splits: int | None = None, max_kv_splits: int = 16, min_split_len: int = 64,
-                 decode_block_n: int | None = None, extend_config: ExtendConfig | None = None) -> None:
-        """All arguments are tuning knobs with working defaults (gpu_check sweeps them)."""
+                 decode_block_n: int | None = None, extend_config: ExtendConfig | None = None,
+                 batch_invariant: bool = False) -> None:
+        """The split / tile arguments are tuning knobs with working defaults (gpu_check sweeps
+        them); `batch_invariant` takes the invariant kernel instead, which ignores them."""
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
@@ -37,6 +41,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.min_split_len = min_split_len
         self.decode_block_n = decode_block_n
         self.extend_config = extend_config
+        self.batch_invariant = batch_invariant
         self._plan: _Plan | None = None
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
@@ -56,6 +61,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
+        if self.batch_invariant:
+            return invariant_attention(q, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
+                                       self._plan_for(meta).max_extend_len, scale)
         plan = self._get_plan(meta, q, k_cache.shape[1])
         if meta.is_decode:
             return decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, scale,

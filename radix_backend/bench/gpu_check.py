@@ -12,8 +12,8 @@
    `radix_backend.Engine(attention_backend=...)` for every backend and every model of `--models`
    (the embedded SmolLM2 by default; `--random-model DIR` adds a random-weight 0.5B Llama);
 4. with `--invariance`, batch invariance per backend and dtype on SmolLM2: each request's logits
-   at every step alone on a cold cache against inside a mixed batch (bench.invariance; reported,
-   not failed: the invariance claim is the CPU path's);
+   at every step alone on a cold cache against inside a mixed batch (bench.invariance); a check
+   for `triton-inv` (Triton with batch invariance), reported for the others;
 5. a sweep of Triton launch configs (decode splits / tiles, extend tiles / stages) on the widest
    decode and the extend shape, to tune the defaults;
 then prints a short table (last) and writes `gpu_check.json` into the folder given by `--out`
@@ -174,14 +174,31 @@ class Report:
 
 # ----------------------------------------------------------------------------- backends
 
+INVARIANT = "triton-inv"  # Triton with batch invariance: its invariant kernel and fixed-configuration matmuls
+
+
 def make_backend(name: str, device: str, **kw) -> Any:
     from radix_backend.kernels import create_attention_backend
+    if name == INVARIANT:
+        return create_attention_backend("triton", device, batch_invariant=True, **kw)
     return create_attention_backend(name, device, **kw)
+
+
+# Engine arguments per backend name: torch stays the cuBLAS reference and triton the split-K fast
+# path (no invariance); triton-inv and the CPU's native backend run with it.
+ENGINE_BACKENDS = {"torch": ("torch", False), "triton": ("triton", False), INVARIANT: ("triton", True),
+                   "flashinfer": ("flashinfer", False), "native": ("native", True)}
+
+
+def engine_backend(name: str) -> dict[str, Any]:
+    attention, invariant = ENGINE_BACKENDS[name]
+    return dict(attention_backend=attention, batch_invariant=invariant)
 
 
 def available_kernel_backends(device: str) -> list[str]:
     from radix_backend.kernels.registry import available_backends
-    return available_backends(device)
+    names = available_backends(device)
+    return names + [INVARIANT] if "triton" in names else names
 
 
 # ----------------------------------------------------------------------------- 1. correctness
@@ -517,8 +534,8 @@ def bench_e2e(report: Report, device: str, backends: list[str], quick: bool, kv_
         reference: dict[str, list[list[int]]] = {}
         for name in backends:
             start = time.perf_counter()
-            with engine_factory(model=model, device=device, attention_backend=name,
-                                kv_cache_tokens=kv_cache_tokens) as engine:
+            with engine_factory(model=model, device=device, kv_cache_tokens=kv_cache_tokens,
+                                **engine_backend(name)) as engine:
                 load_s = time.perf_counter() - start
                 if warmup:
                     run_workloads(engine, quick=True)  # compiles kernels, fills allocator caches
@@ -557,8 +574,8 @@ def check_hf_greedy(report: Report, device: str, backends: list[str], model: str
         for name in backends:
             if name == "flashinfer" and dtype == "float32":
                 continue
-            with Engine(model=model, device=device, dtype=dtype, attention_backend=name,
-                        kv_cache_tokens=8192) as engine:
+            with Engine(model=model, device=device, dtype=dtype, kv_cache_tokens=8192,
+                        **engine_backend(name)) as engine:
                 if expected is None:
                     expected = [_hf_greedy(hf, engine.encode(p), new_tokens, device) for p in GREEDY_PROMPTS]
                 got = [list(o.token_ids) for o in engine.generate(GREEDY_PROMPTS, params)]
@@ -622,12 +639,17 @@ def check_invariance(report: Report, device: str, backends: list[str], model: st
         for name in backends:
             if name == "flashinfer" and dtype == "float32":
                 continue
-            with Engine(model=model, device=device, dtype=dtype, attention_backend=name, kv_cache_tokens=20_000,
-                        chunked_prefill_tokens=48) as engine, invariance.recording_step_logits() as logits:
+            with Engine(model=model, device=device, dtype=dtype, kv_cache_tokens=20_000, chunked_prefill_tokens=48,
+                        **engine_backend(name)) as engine, invariance.recording_step_logits() as logits:
                 alone = invariance.run_alone(engine, cases, logits)
                 together = invariance.run_together(engine, cases, logits, seed)
             row = invariance.compare(alone, together).as_row()
             report.invariance.append(dict(model=model_label(model), backend=name, dtype=dtype, **row))
+            if name == INVARIANT:  # the one backend that claims it
+                report.correctness.append(dict(
+                    check=f"batch invariance {model_label(model)} {name}", dtype=dtype,
+                    rel_err=1.0 - row["identical_steps"] / max(row["steps"], 1),
+                    ok=bool(row["identical_steps"] == row["steps"] and row["same_tokens"] == row["requests"])))
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
 
@@ -673,7 +695,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
     p.add_argument("--backends", default="auto",
-                   help="comma list of torch,triton,flashinfer (default: those available)")
+                   help=f"comma list of torch,triton,{INVARIANT},flashinfer (default: those available; "
+                        f"{INVARIANT} is Triton with batch invariance, the others run without)")
     p.add_argument("--iters", type=int, default=50, help="timed samples per kernel (default: 50)")
     p.add_argument("--quick", action="store_true", help="small shapes and workloads (smoke run)")
     p.add_argument("--models", default="embedded",

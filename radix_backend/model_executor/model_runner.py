@@ -164,7 +164,8 @@ class ModelRunner:
         self.kv_pool = KVPool(pool_cfg, num_slots, page_size=config.page_size)
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(pool_cfg.num_layers)]
         self.attention_backend = create_attention_backend(config.attention_backend, self.device,
-                                                          page_size=config.page_size)
+                                                          page_size=config.page_size,
+                                                          batch_invariant=config.batch_invariant)
         logger.info("model on %s/%s, %d KV slots, tp_size=%d", self.device, self.dtype, num_slots,
                     self.tp.size if self.tp else 1)
 
@@ -183,12 +184,16 @@ class ModelRunner:
                           batch_invariant=self._batch_invariant(attention, layer_ops))
 
     def _batch_invariant(self, attention: str, layer_ops: str) -> bool:
-        """Whether the guarantee holds for this model, not only whether it was asked for: every op on
-        our native CPU kernels (fp32, one process, a head size the extend kernel takes, every
-        quantized linear native)."""
-        return (settings.current().batch_invariant and self.tp is None and attention == "native"
-                and layer_ops == "native" and native.extend_attention_dim_ok(self.model.layers[0].self_attn.head_dim)
-                and quant.low_bit_linears_run_natively(self.model))
+        """Whether the guarantee holds for this model, not only whether it was asked for: one
+        process, no low-bit linear off our native kernels, and either every op on our native CPU
+        kernels (fp32, a head size the extend kernel takes) or, on a GPU, Triton attention (its
+        invariant kernel) and Triton layer ops (with the fixed-configuration matmul)."""
+        if not (settings.current().batch_invariant and self.tp is None and quant.low_bit_linears_run_natively(self.model)):
+            return False
+        if self.device.type == "cuda":
+            return attention == "triton" and layer_ops == "triton" and self.attention_backend.batch_invariant
+        return (attention == "native" and layer_ops == "native"
+                and native.extend_attention_dim_ok(self.model.layers[0].self_attn.head_dim))
 
     def _init_graph_runner(self, max_batch_size: int) -> None:
         """Capture the decode step per batch size (eagerly padded on CPU, which is how it is tested)."""

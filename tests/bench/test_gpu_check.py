@@ -100,8 +100,8 @@ def test_workload_prompts_share_prefixes() -> None:
 
 
 def _run_fake_e2e(chat: bool) -> gc.Report:
-    def factory(model, device, attention_backend, kv_cache_tokens):
-        assert model is None
+    def factory(model, device, attention_backend, kv_cache_tokens, batch_invariant):
+        assert model is None and batch_invariant is False
         return GpuCheckEngine(attention_backend, chat=chat)
     report = gc.Report()
     gc.bench_e2e(report, "cpu", ["torch", "triton"], quick=True, engine_factory=factory)

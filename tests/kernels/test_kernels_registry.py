@@ -60,6 +60,18 @@ def test_auto_on_cuda_prefers_flashinfer_then_triton(installed) -> None:
     assert registry.resolve_backend_name("auto", "cuda") == "torch"
 
 
+def test_auto_on_cuda_with_batch_invariance_picks_triton_and_its_invariant_kernel(installed) -> None:
+    """FlashInfer splits its work by the batch, so invariance takes Triton's invariant kernel."""
+    pytest.importorskip("triton")
+    installed(triton=True, flashinfer=True)
+    assert registry.resolve_backend_name("auto", "cuda", batch_invariant=True) == "triton"
+    assert registry.resolve_backend_name("flashinfer", "cuda", batch_invariant=True) == "flashinfer"  # asked for
+    assert registry.create_attention_backend("auto", "cuda", batch_invariant=True).batch_invariant
+    assert not registry.create_attention_backend("triton", "cuda").batch_invariant
+    installed(triton=False)
+    assert registry.resolve_backend_name("auto", "cuda", batch_invariant=True) == "flashinfer"
+
+
 def test_flashinfer_that_fails_to_import_is_skipped(installed, caplog) -> None:
     installed(triton=True, flashinfer=OSError("libcudart.so.13: cannot open shared object"))
     assert registry.resolve_backend_name("auto", "cuda") == "triton"

@@ -83,7 +83,7 @@ def test_extend_default_config_follows_shared_memory() -> None:
 def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
     """The interpreter does not check GPU constraints (dot shapes, layouts, shared memory): compile
     every kernel for sm_90 with the launch configs the wrappers use on H100/H200."""
-    from radix_backend.kernels import triton_decode, triton_extend, triton_ops
+    from radix_backend.kernels import triton_decode, triton_extend, triton_invariant, triton_matmul, triton_ops
     from radix_backend.kernels.triton_dot import dot_config
     import torch as _torch
     p = f"*{dtype}"
@@ -105,6 +105,18 @@ def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
                        dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=dim, **dots), 90,
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for kernel in (dec1, ext):
+        assert kernel.metadata.shared <= 227 * 1024, "exceeds Hopper shared memory"
+    inv = triton_invariant.invariant_config(dim, 4, torch_dtype, on_gpu=True)
+    inv_kernel = _compile_for(triton_invariant._invariant_kernel,
+                              dict(Q=p, K_CACHE=p, V_CACHE=p, QO_INDPTR=ptr_i64, KV_INDPTR=ptr_i64,
+                                   KV_INDICES=ptr_i64, O=p, sm_scale_log2="fp32"),
+                              dict(BLOCK_M=inv.block_m, BLOCK_N=inv.block_n, BLOCK_D=dim, **dots), 90,
+                              num_warps=inv.num_warps, num_stages=inv.num_stages)
+    mm = triton_matmul.matmul_config(torch_dtype, on_gpu=True)
+    mm_kernel = _compile_for(triton_matmul._matmul_kernel, dict(X=p, W=p, BIAS=p, Y=p),
+                             dict(HAS_BIAS=True, BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, BLOCK_K=mm.block_k,
+                                  **dots), 90, num_warps=mm.num_warps, num_stages=mm.num_stages)
+    for kernel in (inv_kernel, mm_kernel):
         assert kernel.metadata.shared <= 227 * 1024, "exceeds Hopper shared memory"
     _compile_for(triton_ops._rms_norm_kernel, dict(X=p, R=p, W=p, Y=p, RES_OUT=p, eps="fp32"),
                  dict(HAS_RESIDUAL=True, BLOCK=1024), 90, num_warps=4)
@@ -188,6 +200,118 @@ def test_extend_kernel_direct_reads_new_kv_from_inputs() -> None:
     ref = TorchAttentionBackend().forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
     out = extend_attention(q, k, v, kc, vc, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, 9, 0.125)
     assert rel_err(out, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------- batch-invariant kernels
+
+@kernel_test
+@pytest.mark.parametrize("dtype", ATTN_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (9, 3), (32, 1)])  # group 32 > 16 rows: one token a tile
+def test_invariant_attention_matches_torch(dtype, hq, hkv) -> None:
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    backend = TritonAttentionBackend(batch_invariant=True)
+    for prefix, extend in (([0, 5, 37, 0], [3, 20, 1, 17]), ([0, 9, 40, 3], [1, 1, 1, 1])):
+        out, ref = run_both(backend, prefix, extend, hq, hkv, 64, dtype, seed=hq + len(prefix))
+        assert rel_err(out, ref) < tol(dtype)
+
+
+def _target_request(hq: int, hkv: int, dim: int, tokens: int = 75):
+    g = torch.Generator().manual_seed(hq * 100 + hkv)
+    return (torch.randn(tokens, hq, dim, generator=g), torch.randn(tokens, hkv, dim, generator=g),
+            torch.randn(tokens, hkv, dim, generator=g))
+
+
+def _invariant_rows(target, span: tuple[int, int], others: list[tuple[int, int]], position: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The invariant kernel's rows for the target request's tokens span[0] .. span[0]+span[1]-1
+    (the ones before them cached), inside a batch of `others` (prefix, extend) with the target at
+    index `position`; the target's K/V sit at slots 1..T, the others' after, random."""
+    from radix_backend.kernels.attention_base import AttentionMetadata
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    q_all, k_all, v_all = target
+    n_tok, hq, dim = q_all.shape
+    hkv = k_all.shape[1]
+    g = torch.Generator().manual_seed(31 * len(others) + position)
+    reqs: list[tuple[int, int, bool]] = [(p, e, False) for p, e in others]
+    reqs.insert(position, (span[0], span[1], True))
+    num_slots = 1 + n_tok + sum(p + e for p, e, _ in reqs) + 3
+    k_cache = torch.randn(num_slots, hkv, dim, generator=g)
+    v_cache = torch.randn(num_slots, hkv, dim, generator=g)
+    k_cache[1:n_tok + 1], v_cache[1:n_tok + 1] = k_all, v_all
+    kv, out_slots, qs, ks, vs, nxt = [], [], [], [], [], n_tok + 1
+    for p, e, is_target in reqs:
+        if is_target:
+            slots = torch.arange(1, 1 + p + e)
+            q, k, v = q_all[p:p + e], k_all[p:p + e], v_all[p:p + e]
+        else:
+            slots, nxt = torch.arange(nxt, nxt + p + e), nxt + p + e
+            q, k, v = (torch.randn(e, h, dim, generator=g) for h in (hq, hkv, hkv))
+        kv.append(slots)
+        out_slots.append(slots[p:])
+        qs.append(q), ks.append(k), vs.append(v)
+    meta = AttentionMetadata.build([r[0] for r in reqs], [r[1] for r in reqs], torch.cat(kv).to(DEVICE),
+                                   torch.cat(out_slots).to(DEVICE), DEVICE)
+    backend = TritonAttentionBackend(batch_invariant=True)
+    backend.begin_forward(meta)
+    to = dict(dtype=dtype, device=DEVICE)
+    out = backend.forward(torch.cat(qs).to(**to), torch.cat(ks).to(**to), torch.cat(vs).to(**to),
+                          k_cache.to(**to), v_cache.to(**to), meta, dim ** -0.5)
+    start = sum(r[1] for r in reqs[:position])
+    return out[start:start + span[1]].cpu()
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (9, 3), (8, 8)])
+def test_invariant_attention_rows_do_not_depend_on_batch_chunking_or_cache(dtype, hq, hkv) -> None:
+    """A row's bits are the same computed in a whole prefill, in a later chunk over a cached
+    prefix, as a decode row, alone or among other requests of any lengths and at any index."""
+    target = _target_request(hq, hkv, 64)
+    whole = _invariant_rows(target, (0, 75), [], 0, dtype)
+    cases = [((40, 35), [], 0), ((40, 35), [(0, 20), (13, 1), (50, 7)], 1), ((74, 1), [], 0),
+             ((74, 1), [(30, 1), (5, 1)], 2), ((60, 15), [(100, 33), (0, 64)], 1), ((0, 75), [(10, 5)], 1),
+             ((17, 1), [(3, 40)], 0)]
+    for span, others, position in cases:
+        rows = _invariant_rows(target, span, others, position, dtype)
+        assert torch.equal(rows, whole[span[0]:span[0] + span[1]]), (span, others, position)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_invariant_linear_rows_do_not_depend_on_the_row_count(dtype) -> None:
+    import torch.nn.functional as F
+
+    from radix_backend.kernels.triton_matmul import invariant_linear
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE) for shape in ((100, 72), (50, 72), (50,)))
+    full = invariant_linear(x, w, b)
+    assert rel_err(full, F.linear(x.float(), w.float(), b.float())) < {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    for lo, hi in [(0, 1), (5, 6), (0, 17), (33, 97), (99, 100)]:
+        assert torch.equal(invariant_linear(x[lo:hi], w, b), full[lo:hi]), (lo, hi)
+    assert torch.equal(invariant_linear(x.view(4, 25, 72), w).view(100, 50), invariant_linear(x, w))
+
+
+@kernel_test
+def test_engine_with_invariant_triton_gives_each_request_its_solo_bits(tiny_llama_dir) -> None:
+    """The engine with Triton attention and batch invariance: each request's logits at every step
+    alone on a cold cache == inside a mixed batch (shared prefixes, 48-token prefill chunks,
+    staggered arrivals). On a GPU this is the whole invariant path (Triton matmuls too); under the
+    interpreter the linears are the CPU's fixed-order kernel."""
+    from radix_backend import Engine
+    from radix_backend.bench import invariance
+    from radix_backend.kernels import native
+    if DEVICE == "cpu" and not native.available():
+        pytest.skip("the CPU linears are invariant only with the native kernels")
+    cases = invariance.random_cases(0)[:8]
+    with Engine(str(tiny_llama_dir), device=DEVICE, dtype="float32", attention_backend="triton", batch_invariant=True,
+                kv_cache_tokens=2000, chunked_prefill_tokens=48) as engine, \
+            invariance.recording_step_logits() as logits:
+        assert engine.kernel_path.batch_invariant is (DEVICE == "cuda")  # on the CPU only native claims it
+        alone = invariance.run_alone(engine, cases, logits)
+        together = invariance.run_together(engine, cases, logits, seed=0)
+    result = invariance.compare(alone, together)
+    assert result.steps > 0 and result.identical_steps == result.steps, result
+    assert result.same_tokens == result.requests
 
 
 # ----------------------------------------------------------------------------- decode
