@@ -68,7 +68,8 @@ class EngineConfig:
     activation_bits: int = _knob(8, "activation integers of the native low-bit linears (16 keeps a GGUF model's "
                                  "greedy tokens equal to its fp32 reference's, at 1.2-1.5x the time)")
     batch_invariant: bool = _knob(True, "a request's logits never depend on its batch-mates, the cache state or the "
-                                  "chunking (CPU native kernels); off: faster shared-prefix decode and BLAS linears")
+                                  "chunking (CPU native kernels; GPU: Triton's invariant kernels); off: faster "
+                                  "shared-prefix / split-K decode and BLAS linears")
     tp_timeout_s: float = _knob(300.0, "seconds one tensor-parallel collective may take before the group fails")
     tp_startup_timeout_s: float = _knob(300.0, "seconds tensor-parallel workers may take to start and load")
     debug_slots: bool = _knob(False, "check every KV slot free/alloc (slow; for tests)", cli=False)
