@@ -106,15 +106,23 @@ class KVManager:
             self.allocator.free(slots)
 
     # ---- prefix matching --------------------------------------------------------------------
-    def match(self, held: RequestSlots, tokens: Sequence[int]) -> None:
-        """Point `held` at the longest cached prefix of `tokens` (the tree, then the disk tier) and
-        lock that path so it is not evicted while the request waits or runs."""
+    def match(self, held: RequestSlots, tokens: Sequence[int], *, from_disk: bool = True) -> None:
+        """Point `held` at the longest cached prefix of `tokens` (the tree, then, `from_disk`, the
+        disk tier, whose blocks are loaded into the pool) and lock that path so it is not evicted
+        while the request waits or runs."""
         m = self.tree.match_prefix(tokens)
-        if self.disk is not None:
+        if from_disk and self.disk is not None:
             m = self.disk.extend_match(tokens, m)
         self.tree.inc_lock_ref(m.last_node)
         held.slots, held.last_node = m.slots.to(torch.int64), m.last_node
         held.cached_len = held.kv_len
+
+    def match_with_disk(self, held: RequestSlots, tokens: Sequence[int]) -> None:
+        """A match made without the disk tier, made again with it (the request is about to be
+        admitted: now its blocks are worth loading)."""
+        if self.disk is not None and held.kv_len == held.cached_len:
+            self.release_match(held)
+            self.match(held, tokens)
 
     def release_match(self, held: RequestSlots) -> None:
         """Unlock a match that computed nothing yet (the request stays waiting; it matches again)."""

@@ -166,16 +166,18 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduleBatch, budget: StepBudget) -> None:
         if needs_match_to_order(self.policy, len(self.waiting)):
+            # The order reads the tree only: loading every waiting request's disk blocks would fill
+            # the pool with locked prefixes, admit nobody and, once the step evicted them, load them
+            # all again (a livelock). A request's blocks are loaded when it is about to be admitted.
             for req in self.waiting:
                 if req.kv.last_node is None:
-                    self._match(req)
+                    self._match(req, from_disk=False)
         self.waiting = deque(order_waiting(self.waiting, self.policy))
         adder = PrefillAdder(budget, self.running, self.max_running)
         for req in list(self.waiting):
             if not adder.has_room():
                 break
-            if req.kv.last_node is None:
-                self._match(req)
+            self._match(req)
             if adder.should_defer(req):
                 continue
             n = adder.admissible_len(req, self.kv.available())
@@ -201,8 +203,13 @@ class Scheduler:
                 f"request {head.rid} needs {head.pending_tokens} KV slots but only {self.kv.available()} can be "
                 "freed; raise kv_cache_tokens"))
 
-    def _match(self, req: Req) -> None:
-        self.kv.match(req.kv, req.fill_ids[:req.max_prefix_len])
+    def _match(self, req: Req, *, from_disk: bool = True) -> None:
+        """Match an unmatched request; with `from_disk`, extend a tree-only match from the disk tier."""
+        tokens = req.fill_ids[:req.max_prefix_len]
+        if req.kv.last_node is None:
+            self.kv.match(req.kv, tokens, from_disk=from_disk)
+        elif from_disk:
+            self.kv.match_with_disk(req.kv, tokens)
         if not req.admitted_once:
             req.meta.cached_tokens = min(req.kv.cached_len, len(req.prompt_ids))
 

@@ -297,3 +297,24 @@ def test_server_reports_disk_hits(tiny_llama_dir: Path, tmp_path: Path) -> None:
                    if ln.startswith("radix_backend_cache_disk")}
         assert metrics["radix_backend_cache_disk_hit_tokens"] == meta["cached_tokens"]
         assert metrics["radix_backend_cache_disk_bytes_read"] > 0
+
+
+def test_many_waiting_requests_with_disk_prefixes_all_finish(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Twelve prompts whose KV is on disk, together bigger than the pool, submitted at once: the
+    scheduler orders them by the tree alone and loads a request's disk blocks only when it admits
+    it. (Ordering by matches that loaded every waiting request's blocks filled the pool with locked
+    prefixes; nothing could be admitted, the step evicted everything and loaded it all again: a
+    livelock.)"""
+    with tiny(tiny_llama_dir, tmp_path / "kv", kv_cache_tokens=320, chunked_prefill_tokens=48,
+              disk_cache_write_through_tokens=64) as eng:
+        prompts = [prompt_ids(eng, 44, salt=s) + [100 + s] * 3 for s in range(12)]  # one 64-token block each
+        alone = []
+        for ids in prompts:
+            assert eng.flush_cache()
+            alone.append(eng.generate(input_ids=ids, params=GREEDY).token_ids)
+        assert eng.flush_cache()
+        handles = [eng.submit(input_ids=ids, params=GREEDY) for ids in prompts]
+        together = [h.wait(30).token_ids for h in handles]
+        stats = eng.cache_stats()
+    assert together == alone
+    assert 0 < stats.disk_hit_tokens <= sum(len(p) for p in prompts)  # each prefix loaded about once
