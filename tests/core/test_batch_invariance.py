@@ -81,6 +81,22 @@ def test_the_disk_tier_reloads_give_the_same_bits(quantization: str, step_logits
         reload_and_compare(engine, step_logits)
 
 
+@pytest.mark.parametrize("quantization", QUANTIZATIONS, ids=PATH_IDS)
+def test_a_batch_served_from_the_disk_tier_gives_the_same_bits(quantization: str, step_logits,
+                                                                  tmp_path: Path) -> None:
+    """Random requests run alone (their KV written through), the memory tree emptied, then all at
+    once into an 800-slot pool: their prefixes come back from disk in the batch."""
+    with Engine(quantization=quantization, kv_cache_tokens=800, chunked_prefill_tokens=48,
+                disk_cache_dir=str(tmp_path), disk_cache_write_through_tokens=64) as engine:
+        cases = random_cases(1)
+        alone = run_alone(engine, cases, step_logits)
+        assert engine.flush_cache()
+        before = engine.cache_stats().disk_hit_tokens
+        together = run_together(engine, cases, step_logits, seed=1)
+        assert engine.cache_stats().disk_hit_tokens > before
+    assert_same(alone, together)
+
+
 def reload_and_compare(engine: Engine, step_logits) -> None:
     rng = random.Random(11)
     prompt = [rng.randrange(100, 40000) for _ in range(300)]
