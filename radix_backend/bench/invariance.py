@@ -50,13 +50,13 @@ def recording_step_logits() -> Iterator[dict[str, list[torch.Tensor]]]:
         output_processor.OutputProcessor._sample = sample
 
 
-def random_cases(seed: int) -> list[Case]:
-    """20-40 requests: half continue one of a shared prompt's prefixes, lengths 2-240 tokens, greedy
-    or seeded sampling, 3-13 new tokens."""
+def random_cases(seed: int, count: int | None = None) -> list[Case]:
+    """`count` requests (default 20-40): half continue one of a shared prompt's prefixes, lengths
+    2-240 tokens, greedy or seeded sampling, 3-13 new tokens."""
     rng = random.Random(seed)
     shared = [rng.randrange(100, 40000) for _ in range(90)]
     cases = []
-    for i in range(rng.randrange(20, 41)):
+    for i in range(rng.randrange(20, 41) if count is None else count):
         own = [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 150))]
         ids = shared[:rng.randrange(40, 91)] + own if rng.random() < 0.5 else own
         sampled = rng.random() < 0.3
