@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_dot import attend_tile, dot_config
+from .triton_dot import attend_tile, cache_tile, dot_config
 
 _LOG2E = 1.4426950408889634
 
@@ -59,11 +59,8 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < hi
-        kv_mask = nmask[:, None] & dmask[None, :]
-        slots = tl.load(KV_INDICES + kv_start + offs_n, mask=nmask, other=0).to(tl.int64)
-        k = tl.load(K_CACHE + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v_ptrs = V_CACHE + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        k, v_ptrs, kv_mask = cache_tile(K_CACHE, V_CACHE, KV_INDICES, kv_start, offs_n, nmask, kv_head, offs_d, dmask,
+                                        stride_kt, stride_kh, stride_vt, stride_vh)
         acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, hmask[:, None] & nmask[None, :], acc, m_i, l_i,
                                     sm_scale_log2, DOT_DTYPE, DOT_PRECISION)
 

@@ -1,6 +1,7 @@
 """What the Triton attention kernels share: how they feed tl.dot (operand dtype and input
-precision per input dtype) and the online-softmax step that folds one K/V tile into a running
-output (`attend_tile`, inlined into the decode and extend kernels).
+precision per input dtype), the gather of one K tile through the slot table (`cache_tile`) and the
+online-softmax step that folds one K/V tile into a running output (`attend_tile`), both inlined
+into the decode, extend and invariant kernels.
 
 On a GPU the operands keep the input dtype (bf16/fp16 tensor-core dots accumulating in fp32;
 fp32 inputs use exact "ieee" dots so fp32 results match the torch reference to rounding).
@@ -63,3 +64,15 @@ def attend_tile(q, k, v_ptrs, kv_mask, score_mask, acc, m_i, l_i, sm_scale_log2,
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype).to(DOT_DTYPE), v.to(q.dtype).to(DOT_DTYPE),
                                         input_precision=DOT_PRECISION)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def cache_tile(K_CACHE, V_CACHE, KV_INDICES, kv_start, offs_n, nmask, kv_head, offs_d, dmask,
+               stride_kt, stride_kh, stride_vt, stride_vh):
+    """Keys `offs_n` (under `nmask`) of one sequence whose slots start at KV_INDICES + kv_start:
+    the loaded K tile, the V tile's pointers (`attend_tile` loads it after the scores) and the mask."""
+    kv_mask = nmask[:, None] & dmask[None, :]
+    slots = tl.load(KV_INDICES + kv_start + offs_n, mask=nmask, other=0).to(tl.int64)
+    k = tl.load(K_CACHE + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v_ptrs = V_CACHE + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    return k, v_ptrs, kv_mask

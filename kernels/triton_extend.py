@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_dot import attend_tile, dot_config
+from .triton_dot import attend_tile, cache_tile, dot_config
 
 _LOG2E = 1.4426950408889634
 
@@ -57,11 +57,8 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
     for start in range(0, prefix_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < prefix_len
-        kv_mask = nmask[:, None] & dmask[None, :]
-        slots = tl.load(KV_INDICES + kv_start + offs_n, mask=nmask, other=0).to(tl.int64)
-        k = tl.load(K_CACHE + slots[:, None] * stride_kct + kv_head * stride_kch + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v_ptrs = V_CACHE + slots[:, None] * stride_vct + kv_head * stride_vch + offs_d[None, :]
+        k, v_ptrs, kv_mask = cache_tile(K_CACHE, V_CACHE, KV_INDICES, kv_start, offs_n, nmask, kv_head, offs_d, dmask,
+                                        stride_kct, stride_kch, stride_vct, stride_vch)
         acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, nmask[None, :], acc, m_i, l_i, sm_scale_log2,
                                     DOT_DTYPE, DOT_PRECISION)
 
