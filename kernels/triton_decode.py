@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_dot import attend_tile, cache_tile, dot_config
+from .triton_dot import LOG2E, attend_tile, cache_tile, dot_config, gqa_group
 
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -127,11 +126,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     bsz, hq, dim = q.shape
     hkv = k_cache.shape[1]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    group = gqa_group(hq, hkv)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    group = hq // hkv
     block_h = 16
     heads_per_prog = min(group, block_h)
     progs_per_kv = triton.cdiv(group, heads_per_prog)
@@ -143,7 +140,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = triton.next_power_of_2(dim)
     dot = dot_config(q.dtype)
     _decode_stage1[(bsz, hkv * progs_per_kv, num_kv_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse, scale * _LOG2E,
+        q, k_cache, v_cache, kv_indptr, kv_indices, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), hq, group, dim,
         min_split_len, HEADS_PER_PROG=heads_per_prog, PROGS_PER_KV=progs_per_kv, NUM_KV_SPLITS=num_kv_splits,

@@ -21,6 +21,14 @@ import triton
 import triton.language as tl
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in exp2: scores are scaled by scale * LOG2E
+
+
+def gqa_group(num_q_heads: int, num_kv_heads: int) -> int:
+    """Query heads per KV head; a head count that does not divide is an error."""
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    return num_q_heads // num_kv_heads
 
 
 @dataclass(frozen=True)

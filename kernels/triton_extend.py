@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_dot import attend_tile, cache_tile, dot_config
+from .triton_dot import LOG2E, attend_tile, cache_tile, dot_config, gqa_group
 
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -131,9 +130,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     """
     n_tokens, hq, dim = q.shape
     hkv = k.shape[1]
+    group = gqa_group(hq, hkv)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if out is None:
         out = torch.empty_like(q)
     bsz = qo_indptr.shape[0] - 1
@@ -144,10 +142,10 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     dot = dot_config(q.dtype)
     grid = (bsz, hq, triton.cdiv(max_extend_len, cfg.block_m))
     _extend_kernel[grid](
-        q, k, v, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out, scale * _LOG2E,
+        q, k, v, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), hq // hkv, dim,
+        out.stride(0), out.stride(1), group, dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(dim),
         DOT_DTYPE=dot.operand_dtype, DOT_PRECISION=dot.precision, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)

@@ -18,15 +18,12 @@ not change a row's result. Slower than the split-K decode kernel at small batch 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from .triton_dot import attend_tile, cache_tile, dot_config
-
-_LOG2E = 1.4426950408889634
+from .triton_dot import LOG2E, attend_tile, cache_tile, dot_config, gqa_group
+from .triton_extend import ExtendConfig
 
 
 @triton.jit
@@ -77,49 +74,37 @@ def _invariant_kernel(Q, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, O, 
              out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
-@dataclass(frozen=True)
-class InvariantConfig:
-    """The one launch configuration of a model's attention (rows per program, keys per tile)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int = 1
-
-
-def invariant_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool) -> InvariantConfig:
-    """Fixed by the model (dtype, head size, GQA group), never by a batch. 64 rows x 64 keys for
-    16-bit types on a GPU; fp32 and wide heads take smaller tiles (registers); the interpreter 16."""
+def invariant_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool) -> ExtendConfig:
+    """The one launch configuration (rows per program, keys per tile) of a model's attention, fixed
+    by the model (dtype, head size, GQA group), never by a batch. 64 rows x 64 keys for 16-bit types
+    on a GPU; fp32 and wide heads take smaller tiles (registers); the interpreter 16."""
     base = 64 if on_gpu and dtype != torch.float32 and head_dim <= 128 else (32 if on_gpu else 16)
     block_m = max(base, triton.next_power_of_2(group))
     block_n = 64 if base == 64 else base
-    return InvariantConfig(block_m, block_n, 4 if block_m <= 64 else 8, 2 if on_gpu else 1)
+    return ExtendConfig(block_m, block_n, 4 if block_m <= 64 else 8, 2 if on_gpu else 1)
 
 
 def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
-                        kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_extend_len: int, scale: float,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_extend_len: int,
+                        scale: float) -> torch.Tensor:
     """q [T, Hq, D] new queries (decode rows are 1-token extends); every key, the new ones
     included, comes from the cache through kv_indices (prefix and new slots of request b at
     kv_indptr[b]..). Returns [T, Hq, D] in q.dtype."""
     n_tokens, hq, dim = q.shape
     hkv = k_cache.shape[1]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    group = gqa_group(hq, hkv)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if out is None:
-        out = torch.empty_like(q)
+    out = torch.empty_like(q)
     bsz = qo_indptr.shape[0] - 1
     if n_tokens == 0 or bsz == 0:
         return out
-    group = hq // hkv
     cfg = invariant_config(dim, group, q.dtype, q.is_cuda)
     tokens = cfg.block_m // group
     dot = dot_config(q.dtype)
     grid = (bsz, hkv, triton.cdiv(max_extend_len, tokens))
     _invariant_kernel[grid](
-        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out, scale * _LOG2E,
+        q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), group, dim, tokens,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(dim),
