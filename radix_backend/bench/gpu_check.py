@@ -177,22 +177,28 @@ class Report:
 INVARIANT = "triton-inv"  # Triton with batch invariance: its invariant kernel and fixed-configuration matmuls
 
 
-def make_backend(name: str, device: str, **kw) -> Any:
-    from radix_backend.kernels import create_attention_backend
-    if name == INVARIANT:
-        return create_attention_backend("triton", device, batch_invariant=True, **kw)
-    return create_attention_backend(name, device, **kw)
-
-
-# Engine arguments per backend name: torch stays the cuBLAS reference and triton the split-K fast
-# path (no invariance); triton-inv and the CPU's native backend run with it.
-ENGINE_BACKENDS = {"torch": ("torch", False), "triton": ("triton", False), INVARIANT: ("triton", True),
-                   "flashinfer": ("flashinfer", False), "native": ("native", True)}
+# Attention backend and batch invariance per backend name: torch stays the cuBLAS reference and
+# triton the split-K fast path (no invariance); triton-inv and the CPU's native backend run with it.
+# Other names pass through to the registry, which refuses unknown ones.
+BACKENDS = {"torch": ("torch", False), "triton": ("triton", False), INVARIANT: ("triton", True),
+            "flashinfer": ("flashinfer", False), "native": ("native", True)}
 
 
 def engine_backend(name: str) -> dict[str, Any]:
-    attention, invariant = ENGINE_BACKENDS[name]
+    """The Engine arguments of a backend name."""
+    attention, invariant = BACKENDS.get(name, (name, False))
     return dict(attention_backend=attention, batch_invariant=invariant)
+
+
+def make_backend(name: str, device: str, **kw) -> Any:
+    from radix_backend.kernels import create_attention_backend
+    attention, invariant = BACKENDS.get(name, (name, False))
+    return create_attention_backend(attention, device, batch_invariant=invariant, **kw)
+
+
+def runs_in(name: str, dtype: str) -> bool:
+    """FlashInfer has no fp32 kernels: it runs bf16 only."""
+    return not (name == "flashinfer" and dtype == "float32")
 
 
 def available_kernel_backends(device: str) -> list[str]:
@@ -572,7 +578,7 @@ def check_hf_greedy(report: Report, device: str, backends: list[str], model: str
         hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=getattr(torch, dtype)).to(device).eval()
         expected: list[list[int]] | None = None
         for name in backends:
-            if name == "flashinfer" and dtype == "float32":
+            if not runs_in(name, dtype):
                 continue
             with Engine(model=model, device=device, dtype=dtype, kv_cache_tokens=8192,
                         **engine_backend(name)) as engine:
@@ -637,7 +643,7 @@ def check_invariance(report: Report, device: str, backends: list[str], model: st
     cases = invariance.random_cases(seed)
     for dtype in dtypes:
         for name in backends:
-            if name == "flashinfer" and dtype == "float32":
+            if not runs_in(name, dtype):
                 continue
             with Engine(model=model, device=device, dtype=dtype, kv_cache_tokens=20_000, chunked_prefill_tokens=48,
                         **engine_backend(name)) as engine, invariance.recording_step_logits() as logits:
