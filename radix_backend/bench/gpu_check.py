@@ -649,13 +649,12 @@ def check_invariance(report: Report, device: str, backends: list[str], model: st
                         **engine_backend(name)) as engine, invariance.recording_step_logits() as logits:
                 alone = invariance.run_alone(engine, cases, logits)
                 together = invariance.run_together(engine, cases, logits, seed)
-            row = invariance.compare(alone, together).as_row()
-            report.invariance.append(dict(model=model_label(model), backend=name, dtype=dtype, **row))
+            result = invariance.compare(alone, together)
+            report.invariance.append(dict(model=model_label(model), backend=name, dtype=dtype, **asdict(result)))
             if name == INVARIANT:  # the one backend that claims it
                 report.correctness.append(dict(
                     check=f"batch invariance {model_label(model)} {name}", dtype=dtype,
-                    rel_err=1.0 - row["identical_steps"] / max(row["steps"], 1),
-                    ok=bool(row["identical_steps"] == row["steps"] and row["same_tokens"] == row["requests"])))
+                    rel_err=1.0 - result.identical_steps / max(result.steps, 1), ok=result.invariant))
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
 

@@ -110,10 +110,10 @@ class Comparison:
     same_tokens: int  # requests whose token ids agree
     max_abs_diff: float
 
-    def as_row(self) -> dict[str, Any]:
-        return dict(requests=self.requests, steps=self.steps, identical_steps=self.identical_steps,
-                    identical_requests=self.identical_requests, same_tokens=self.same_tokens,
-                    max_abs_diff=self.max_abs_diff)
+    @property
+    def invariant(self) -> bool:
+        """Every compared step bit-identical and every request's tokens the same."""
+        return self.identical_steps == self.steps and self.same_tokens == self.requests
 
 
 def compare(alone: Run, together: Run) -> Comparison:
