@@ -70,6 +70,9 @@ class EngineConfig:
     batch_invariant: bool = _knob(True, "a request's logits never depend on its batch-mates, the cache state or the "
                                   "chunking (CPU native kernels; GPU: Triton's invariant kernels); off: faster "
                                   "shared-prefix / split-K decode and BLAS linears")
+    speculative: bool = _knob(True, "speculative decoding from the request's own context and the radix tree (no draft "
+                              "model; the output is unchanged), drafts sized per request by their acceptance")
+    speculative_max_draft: int = _knob(8, "most draft tokens a request verifies in one step")
     tp_timeout_s: float = _knob(300.0, "seconds one tensor-parallel collective may take before the group fails")
     tp_startup_timeout_s: float = _knob(300.0, "seconds tensor-parallel workers may take to start and load")
     debug_slots: bool = _knob(False, "check every KV slot free/alloc (slow; for tests)", cli=False)
@@ -82,7 +85,7 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
         for name, low in (("page_size", 1), ("max_running_requests", 1), ("chunked_prefill_tokens", 1),
                           ("tp_size", 1), ("kv_cache_tokens", 16), ("disk_cache_bytes", 1),
-                          ("disk_cache_write_through_tokens", 1)):
+                          ("disk_cache_write_through_tokens", 1), ("speculative_max_draft", 1)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 wanted = "a positive int" if low == 1 else f"an int >= {low}"
@@ -127,6 +130,7 @@ ENV_KNOBS = {
     "triton_ops": "RADIX_BACKEND_TRITON_OPS",
     "activation_bits": "RADIX_BACKEND_ACTIVATION_BITS",
     "batch_invariant": "RADIX_BACKEND_BATCH_INVARIANT",
+    "speculative": "RADIX_BACKEND_SPECULATIVE",
     "tp_timeout_s": "RADIX_TP_TIMEOUT_S",
     "tp_startup_timeout_s": "RADIX_TP_STARTUP_TIMEOUT_S",
 }

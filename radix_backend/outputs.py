@@ -84,6 +84,9 @@ class SchedulerStats:
     generated_tokens: int = 0
     retractions: int = 0
     finished_requests: int = 0
+    spec_verified_steps: int = 0  # decode steps of a request that verified draft tokens
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted (each one a token without a step of its own)
 
 
 @dataclass
@@ -103,6 +106,8 @@ class CacheStats(KVUsage, SchedulerStats):
     """The engine's cache and scheduler figures at one moment (`Engine.cache_stats()`)."""
 
     hit_rate: float = 0.0  # cached_tokens / prompt_tokens
+    spec_acceptance_rate: float = 0.0  # spec_accepted_tokens / spec_draft_tokens
+    spec_tokens_per_step: float = 0.0  # tokens a drafted step gave: 1 + accepted draft tokens, on average
     running_requests: int = 0
     waiting_requests: int = 0
     disk_hit_tokens: int = 0  # prompt tokens whose KV was loaded from the disk tier (counted in cached_tokens too)

@@ -36,18 +36,18 @@ Run = list[tuple[list[int], list[torch.Tensor]]]
 def recording_step_logits() -> Iterator[dict[str, list[torch.Tensor]]]:
     """While open, every sampled row's logits are kept, per request id, in step order."""
     seen: dict[str, list[torch.Tensor]] = {}
-    sample = output_processor.OutputProcessor._sample
+    sample = output_processor.OutputProcessor._sample_rows
 
-    def recording(self: Any, items: list, logits: torch.Tensor) -> Any:
-        for req, row in items:
+    def recording(self: Any, reqs: list, rows: list[int], logits: torch.Tensor, now: float) -> Any:
+        for req, row in zip(reqs, rows):
             seen.setdefault(req.rid, []).append(logits[row].clone())
-        return sample(self, items, logits)
+        return sample(self, reqs, rows, logits, now)
 
-    output_processor.OutputProcessor._sample = recording
+    output_processor.OutputProcessor._sample_rows = recording
     try:
         yield seen
     finally:
-        output_processor.OutputProcessor._sample = sample
+        output_processor.OutputProcessor._sample_rows = sample
 
 
 def random_cases(seed: int, count: int | None = None) -> list[Case]:

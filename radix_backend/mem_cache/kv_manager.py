@@ -101,9 +101,26 @@ class KVManager:
             slots = self.allocator.alloc_extend(last_slot, cur_len, n)
         return slots
 
+    def alloc_spare(self, last_slot: int, cur_len: int, n: int) -> torch.Tensor | None:
+        """`n` slots continuing a sequence, from free slots only (never evicting cached KV for a
+        speculative draft); None when there are not enough."""
+        return self.allocator.alloc_extend(last_slot, cur_len, n)
+
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self.allocator.free(slots)
+
+    def free_after(self, slots: torch.Tensor, keep: int) -> None:
+        """Free `slots[keep:]` of a request that keeps `slots[:keep]` (rejected draft tokens); slots
+        on the page of the last kept one stay with it (its next allocation continues that page)."""
+        drop = slots[keep:]
+        if keep and self.page_size > 1:
+            drop = drop[drop // self.page_size != int(slots[keep - 1]) // self.page_size]
+        self.free(drop)
+
+    def continuation(self, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        """What the tree holds right after all of `tokens` (see `RadixCache.continuation`)."""
+        return self.tree.continuation(tokens, max_tokens)
 
     # ---- prefix matching --------------------------------------------------------------------
     def match(self, held: RequestSlots, tokens: Sequence[int], *, from_disk: bool = True) -> None:

@@ -153,6 +153,39 @@ class RadixCache:
         slots = torch.cat(values) if len(values) > 1 else (values[0].clone() if values else self._empty())
         return MatchResult(slots, node)
 
+    def continuation(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens the tree holds right after the whole of `token_ids` (what an
+        earlier request produced after this very sequence), along the most recently used branch;
+        [] when the tree does not hold all of `token_ids`. Read-only: no split, no access time
+        (a speculative draft, not a use of the KV)."""
+        key = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        if self.disable or max_tokens <= 0:
+            return []
+        node, pos, out = self.root, 0, []
+        while pos < len(key):
+            child = self._child_along(node, key, pos)
+            if child is None:
+                return []
+            n = common_prefix_len(child.key, key, pos)
+            if pos + n == len(key):
+                out = child.key[n:n + max_tokens]
+            elif n < len(child.key):
+                return []
+            node, pos = child, pos + n
+        while len(out) < max_tokens and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access_time)
+            out.extend(node.key[:max_tokens - len(out)])
+        return out
+
+    def _child_along(self, node: TreeNode, key: list[int], pos: int) -> TreeNode | None:
+        """The child of `node` whose key continues `key[pos:]` (with pages, a last partial page
+        picks the most recently used child that starts with it)."""
+        if self.page_size == 1 or len(key) - pos >= self.page_size:
+            return node.children.get(self._child_key(key, pos))
+        rest = key[pos:]
+        fits = [c for c in node.children.values() if c.key[:len(rest)] == rest]
+        return max(fits, key=lambda c: c.last_access_time, default=None)
+
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
         """Cache the (page-aligned) prefix of `token_ids` whose KV sits at `slots`.
 

@@ -5,21 +5,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
 import torch
 
 from ..mem_cache.kv_manager import KVManager
 from ..outputs import SchedulerStats, TokenLogprob
 from .request import Req
+from ..utils import common_prefix_len
 from .sampling import sample_batch
 from .schedule_batch import ScheduleBatch
+from .speculative import Draft, DraftStats
 
 Detokenize = Callable[[Sequence[int], bool], str]  # (token ids, skip_special_tokens) -> text
 
 
+@dataclass(eq=False)
+class _Pick:
+    """A request that samples this step: from logits row `row`, or, drafted, from rows `row`,
+    `row + 1`, ... while the sampled tokens equal its draft's."""
+
+    req: Req
+    row: int
+    draft: Draft | None = None
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # drafted: its rows' KV
+
+
 class OutputProcessor:
     def __init__(self, kv: KVManager, stats: SchedulerStats, detokenize: Detokenize, *,
-                 jump_forward: bool) -> None:
+                 jump_forward: bool, draft_stats: DraftStats) -> None:
         self.kv = kv
+        self.draft_stats = draft_stats
         self.stats = stats
         self.detokenize_ids = detokenize
         self.jump_forward = jump_forward
@@ -28,13 +44,23 @@ class OutputProcessor:
         to_sample = self._commit(batch, logits)
         if to_sample:
             self._sample(to_sample, logits)
+            for pick in to_sample:
+                if pick.draft is not None:
+                    self._keep_verified(pick)
 
-    def _commit(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[tuple[Req, int]]:
+    def _commit(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[_Pick]:
         """Each request takes its new KV and its logits rows (scored prompt positions, next-token
-        logits); returns the (request, row) pairs to sample from."""
-        to_sample: list[tuple[Req, int]] = []
+        logits); returns who samples from which rows. A drafted request's KV waits for its
+        verification (`_keep_verified`)."""
+        to_sample: list[_Pick] = []
         row = 0
-        for req, slots, n, count in batch:
+        for req, slots, n, count, draft in batch:
+            if not req.admitted_once:
+                self._count_admission(req)
+            if draft is not None:  # a decode token (maybe a prompt's last) and its draft
+                to_sample.append(_Pick(req, row, draft, slots))
+                row += count
+                continue
             start = req.kv.kv_len
             req.kv.extend(slots)
             at_end = start + n == req.seq_len
@@ -50,10 +76,8 @@ class OutputProcessor:
             if keeps_logits:
                 req.next_logits = logits[row].clone()
             if wants_sample:
-                to_sample.append((req, row))
+                to_sample.append(_Pick(req, row))
             row += wants_sample or keeps_logits
-            if not req.admitted_once:
-                self._count_admission(req)
             finishing = at_end and req.remaining_new_tokens == 0  # max_new_tokens reached (or 0)
             if n > 1 and not finishing and req.kv.kv_len - req.kv.cached_len >= self.kv.page_size:
                 # after a prefill (chunk) the prompt goes into the tree at once, so requests that
@@ -69,17 +93,50 @@ class OutputProcessor:
         self.stats.cached_tokens += req.meta.cached_tokens
         req.meta.queue_time_s = time.perf_counter() - req.submit_time
 
-    def _sample(self, items: list[tuple[Req, int]], logits: torch.Tensor) -> None:
-        reqs = [r for r, _ in items]
-        rows = [i for _, i in items]
-        raw = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
+    def _sample(self, picks: list[_Pick], logits: torch.Tensor) -> None:
+        """Sample every request's next token; a drafted request samples its next row too, and so
+        on, while each sampled token equals its draft's token there (then the next row's logits
+        are the ones plain decoding would compute next). Each round samples all such rows at once."""
         now = time.perf_counter()
+        depth = 0
+        while picks:
+            before = [p.req.seq_len for p in picks]
+            taken = self._sample_rows([p.req for p in picks], [p.row + depth for p in picks], logits, now)
+            picks = [p for p, tok, n in zip(picks, taken, before)
+                     if p.draft is not None and depth < len(p.draft.tokens) and tok == p.draft.tokens[depth]
+                     and p.req.error is None and not p.req.finished and p.req.seq_len == n + 1]
+            depth += 1
+
+    def _sample_rows(self, reqs: list[Req], rows: list[int], logits: torch.Tensor, now: float) -> list[int | None]:
+        """Each request samples one token from its logits row and takes it; returns the tokens
+        (None where sampling failed: that request's error is set)."""
+        raw = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
+        taken: list[int | None] = []
         for req, picked in zip(reqs, sample_batch(raw, [r.sampler_row() for r in reqs])):
             if isinstance(picked, BaseException):
                 req.error = picked
+                taken.append(None)
             else:
                 self._take_token(req, *picked, now)
                 self.stats.generated_tokens += 1
+                taken.append(picked[0])
+        return taken
+
+    def _keep_verified(self, pick: _Pick) -> None:
+        """After verification: the request keeps the KV of its rows whose input tokens are its
+        tokens (the decode token and the accepted draft tokens); the other rows' slots are freed."""
+        req, draft = pick.req, pick.draft
+        start = req.kv.kv_len
+        actual = req.fill_ids[start + 1:start + 1 + len(draft.tokens)]
+        # the last token stays pending (its logits give the next one) unless it is the decode token
+        # itself (no token was taken: the request failed); grammar-forced tokens may extend a match
+        accepted = max(0, min(common_prefix_len(draft.tokens, actual), req.seq_len - start - 2))
+        req.kv.extend(pick.slots[:accepted + 1])
+        self.kv.free_after(pick.slots, accepted + 1)
+        req.spec.record(draft.kind, len(draft.tokens), accepted, self.draft_stats)
+        self.stats.spec_verified_steps += 1
+        self.stats.spec_draft_tokens += len(draft.tokens)
+        self.stats.spec_accepted_tokens += accepted
 
     def _take_token(self, req: Req, tok: int, lp: TokenLogprob | None, now: float) -> None:
         """Append a sampled token and run what follows it (grammar, detokenizing, stop checks); an

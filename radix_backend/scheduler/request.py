@@ -21,6 +21,7 @@ from ..sampling_params import SamplingParams
 from ..stop_regex import StopRegexWatch
 from .detokenizer import Decode, IncrementalDetokenizer
 from .sampling import SamplerRow
+from .speculative import SpecState
 
 _DONE = object()
 
@@ -170,6 +171,7 @@ class Req:
     meta: RequestMeta = field(default_factory=RequestMeta)
     submit_time: float = field(default_factory=time.perf_counter)
     error: BaseException | None = None
+    spec: SpecState = field(default_factory=SpecState)  # speculative decoding: context index, acceptance
 
     @property
     def text(self) -> str:

@@ -30,6 +30,7 @@ from .inbox import Inbox
 from .output_processor import Detokenize, OutputProcessor
 from .request import Req
 from .schedule_batch import ScheduleBatch
+from .speculative import CPU_ROW_COST, GPU_ROW_COST, Draft, DraftStats, pick_draft, plan_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,16 @@ class Scheduler:
         self.max_running = config.max_running_requests
         self.prefill_budget = config.chunked_prefill_tokens
         self.enable_jump_forward = config.enable_jump_forward
+        self.speculative = config.speculative
+        self.max_draft = config.speculative_max_draft
+        self.row_cost = CPU_ROW_COST if runner.device.type == "cpu" else GPU_ROW_COST
+        self.draft_stats = DraftStats()
         self.kv = KVManager.for_runner(runner, config)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
-        self.output = OutputProcessor(self.kv, self.stats, detokenize, jump_forward=self.enable_jump_forward)
+        self.output = OutputProcessor(self.kv, self.stats, detokenize, jump_forward=self.enable_jump_forward,
+                                      draft_stats=self.draft_stats)
         self._inbox = Inbox()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="radix-scheduler", daemon=True)
@@ -122,6 +128,8 @@ class Scheduler:
         budget = StepBudget(self.prefill_budget, self.page_size)
         self._schedule_running(batch, budget)
         self._schedule_waiting(batch, budget)
+        if self.speculative:
+            self._add_drafts(batch)
         if not batch.reqs:
             if self.waiting and not self.running:
                 self._fail_unschedulable()
@@ -191,6 +199,42 @@ class Scheduler:
             self.running.append(req)
         for req in self.waiting:  # unlock matches of requests that stay waiting; re-match next step
             self.kv.release_match(req.kv)
+
+    def _add_drafts(self, batch: ScheduleBatch) -> None:
+        """Speculative decoding (see speculative.py): decoding requests with a draft from their own
+        context or the radix tree verify as many of its tokens as the cost model pays for, in spare
+        KV slots only."""
+        found: list[tuple[int, Draft]] = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            cap = self._draft_cap(req, n)
+            if cap > 0:
+                ids = req.fill_ids
+                draft = pick_draft([req.spec.context.propose(ids, cap), Draft(self.kv.continuation(ids, cap), "tree")],
+                                   lambda kind: req.spec.rate(kind, self.draft_stats))
+                if draft is not None:
+                    found.append((i, draft))
+        if not found:
+            return
+        rates = [batch.reqs[i].spec.rate(d.kind, self.draft_stats) for i, d in found]
+        sizes = plan_drafts(rates, [len(d.tokens) for _, d in found], rows=sum(batch.extend_lens),
+                            tokens=max(1, batch.extend_lens.count(1)), row_cost=self.row_cost)
+        for (i, draft), k in zip(found, sizes):
+            req = batch.reqs[i]
+            if k == 0:
+                req.spec.idle(draft.kind, self.draft_stats)
+                continue
+            draft.tokens = draft.tokens[:k]
+            slots = self.kv.alloc_spare(int(batch.new_slots[i][-1]), req.kv.kv_len + 1, k)
+            if slots is None:
+                return
+            batch.add_draft(i, draft, slots)
+
+    def _draft_cap(self, req: Req, n: int) -> int:
+        """How many draft tokens `req` may verify after its next token (0: it is not decoding one
+        token, or scores its prompt, or returns logits)."""
+        if n != 1 or req.pending_tokens != 1 or req.input_logprob_start is not None or req.return_next_logits:
+            return 0
+        return min(self.max_draft, req.remaining_new_tokens - 1, req.max_total_tokens - req.seq_len - 1)
 
     def _fail_unschedulable(self) -> None:
         """Nothing runs and the head request cannot get KV even with an empty tree: fail it."""
@@ -276,6 +320,8 @@ class Scheduler:
         return CacheStats(
             **asdict(s), **asdict(self.kv.usage()),
             hit_rate=s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            spec_acceptance_rate=s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0,
+            spec_tokens_per_step=1 + s.spec_accepted_tokens / s.spec_verified_steps if s.spec_verified_steps else 0.0,
             running_requests=len(self.running), waiting_requests=len(self.waiting),
             **({} if disk is None else dict(disk_hit_tokens=disk.hit_tokens, disk_bytes_read=disk.bytes_read,
                                             disk_bytes_written=disk.bytes_written, disk_load_s=disk.load_s)))

@@ -157,6 +157,11 @@ class _LiveCollector:
             "cache_disk_bytes_read": ("Bytes read from the disk KV tier", stats.disk_bytes_read),
             "cache_disk_bytes_written": ("Bytes written to the disk KV tier", stats.disk_bytes_written),
             "cache_disk_load_seconds": ("Time spent loading KV from the disk tier", stats.disk_load_s),
+            "spec_draft_tokens": ("Speculative draft tokens verified", stats.spec_draft_tokens),
+            "spec_accepted_tokens": ("Speculative draft tokens accepted", stats.spec_accepted_tokens),
+            "spec_acceptance_rate": ("Accepted share of the speculative draft tokens", stats.spec_acceptance_rate),
+            "spec_tokens_per_step": ("Tokens per decode step of a request that verified a draft",
+                                     stats.spec_tokens_per_step),
             # the scheduler's own view (the server's view is num_requests_*)
             "queue_length": ("Requests waiting in the scheduler queue", stats.waiting_requests),
             "running_requests": ("Requests in the running batch", stats.running_requests),

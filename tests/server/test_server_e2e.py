@@ -164,9 +164,15 @@ def test_native_generate_and_metrics(engine, server) -> None:
     assert meta["prompt_tokens"] == 5 and meta["completion_tokens"] == 4 and meta["cached_tokens"] >= 4
     assert meta["input_token_logprobs"][0][0] is None and meta["input_token_logprobs"][1][2] == " capital"
     assert len(meta["output_token_logprobs"]) == 4 and all(e[0] <= 0 for e in meta["output_token_logprobs"])
+    copy = {"text": "Say it again: red green blue red green blue red green blue red green blue red green",
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    assert httpx.post(server.url + "/generate", json=copy).status_code == 200  # drafts from its own context
     metrics = httpx.get(server.url + "/metrics").text
     hit = next(ln for ln in metrics.splitlines() if ln.startswith("radix_backend_cache_hit_rate "))
     assert float(hit.split()[-1]) > 0
+    accepted = next(ln for ln in metrics.splitlines() if ln.startswith("radix_backend_spec_accepted_tokens "))
+    assert float(accepted.split()[-1]) > 0
+    assert "radix_backend_spec_acceptance_rate" in metrics and "radix_backend_spec_tokens_per_step" in metrics
     assert "radix_backend_queue_length" in metrics and "radix_backend_kv_usage" in metrics
 
 
