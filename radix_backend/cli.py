@@ -17,6 +17,7 @@ EXTERNAL_BENCHES = {  # bench name -> module with main(argv)
     "peers": "radix_backend.bench.peers",
     "restart": "radix_backend.bench.restart_bench",
     "gguf-agreement": "radix_backend.bench.gguf_agreement",
+    "spec": "radix_backend.bench.spec_bench",
 }
 CORE_BENCHES = ("few-shot", "multi-turn", "branching", "floor")
 

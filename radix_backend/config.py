@@ -70,8 +70,10 @@ class EngineConfig:
     batch_invariant: bool = _knob(True, "a request's logits never depend on its batch-mates, the cache state or the "
                                   "chunking (CPU native kernels; GPU: Triton's invariant kernels); off: faster "
                                   "shared-prefix / split-K decode and BLAS linears")
-    speculative: bool = _knob(True, "speculative decoding from the request's own context and the radix tree (no draft "
-                              "model; the output is unchanged), drafts sized per request by their acceptance")
+    speculative: bool | None = _knob(
+        None, "speculative decoding from the request's own context and the radix tree (no draft model), drafts sized "
+        "per request by their acceptance; default: on where the kernel path is batch invariant, so the output is "
+        "bit-identical to plain decoding (elsewhere verification rows may round differently, as batching does)")
     speculative_max_draft: int = _knob(8, "most draft tokens a request verifies in one step")
     tp_timeout_s: float = _knob(300.0, "seconds one tensor-parallel collective may take before the group fails")
     tp_startup_timeout_s: float = _knob(300.0, "seconds tensor-parallel workers may take to start and load")

@@ -30,7 +30,7 @@ HONOURED = frozenset({
 })
 # No effect on inference: identity and bookkeeping, token ids, dropout (training only), init scales.
 HARMLESS = frozenset({
-    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+    "_name_or_path", "_model_name_or_path", "transformers_version", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
     "pad_token_id", "attention_dropout", "initializer_range", "use_cache", "output_attentions",
     "output_hidden_states", "return_dict", "chunk_size_feed_forward", "id2label", "label2id",
     "is_encoder_decoder", "problem_type", "tokenizer_class", "pretraining_tp", "transformers.js_config",

@@ -42,7 +42,7 @@ class Scheduler:
         self.max_running = config.max_running_requests
         self.prefill_budget = config.chunked_prefill_tokens
         self.enable_jump_forward = config.enable_jump_forward
-        self.speculative = config.speculative
+        self.speculative = runner.kernel_path.batch_invariant if config.speculative is None else config.speculative
         self.max_draft = config.speculative_max_draft
         self.row_cost = CPU_ROW_COST if runner.device.type == "cpu" else GPU_ROW_COST
         self.draft_stats = DraftStats()

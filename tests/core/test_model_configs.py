@@ -84,3 +84,11 @@ def test_longrope_model_serves_its_short_factor_range(tiny_phi4_dir: Path):
         assert engine.context_length == TINY_LONGROPE_ORIGINAL
         assert engine.runner.model.cos_sin_cache.shape[-1] == 12  # 3/4 of the 16-dim heads rotate
         assert engine.runner.model.decode_stack is None  # the native stack rotates whole heads only
+
+
+def test_the_embedded_models_hf_directory_passes_its_own_check(smollm2_hf_dir: str) -> None:
+    """transformers writes the GGUF's name as `_model_name_or_path`: bookkeeping, not a refusal."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(smollm2_hf_dir)
+    assert check_model_config(config).context_length == 8192

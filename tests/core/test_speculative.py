@@ -151,6 +151,11 @@ def both_ways(engine: Engine, prompt, params: SamplingParams):
     return outs[0], outs[1], delta
 
 
+def test_on_by_default_where_the_kernel_path_is_batch_invariant(engine: Engine) -> None:
+    assert engine.config.speculative is None and engine.kernel_path.batch_invariant
+    assert engine.scheduler.speculative
+
+
 def test_greedy_output_is_identical_in_fewer_steps(engine: Engine) -> None:
     plain, spec, delta = both_ways(engine, COPY_PROMPT, SamplingParams(max_new_tokens=96, temperature=0))
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
