@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.llamacpp:
         if gguf is None:
             raise SystemExit("--llamacpp needs a GGUF model")
-        report["llamacpp"] = run_llamacpp(report, gguf, min(context, 8192))
+        longest = max(len(p) for prompts in report["prompts"].values() for p in prompts)
+        report["llamacpp"] = run_llamacpp(report, gguf, min(context, longest + args.max_new_tokens + 16))
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps({k: v for k, v in report.items() if k != "prompts"}, indent=1))

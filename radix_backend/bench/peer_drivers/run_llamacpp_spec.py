@@ -33,8 +33,9 @@ def main() -> None:
 
     with open(sys.argv[1]) as handle:
         plan = json.load(handle)
+    # a draft model needs every position's logits kept (llama-cpp-python's eval writes them per row)
     common = dict(model_path=plan["model_gguf"], n_ctx=plan["context_tokens"], n_batch=512,
-                  n_threads=os.cpu_count(), verbose=False)
+                  n_threads=os.cpu_count(), logits_all=True, verbose=False)
     plain = Llama(**common)
     lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=NUM_PRED_TOKENS))
     result = {"version": f"llama-cpp-python {__version__}", "num_pred_tokens": NUM_PRED_TOKENS, "workloads": {}}
