@@ -24,7 +24,7 @@ def test_each_workload_builds_its_chats_from_real_text(workload: str) -> None:
 def test_both_modes_run_the_same_prompts_with_identical_outputs(engine) -> None:
     own_setting = engine.scheduler.speculative
     report = spec_bench.run(engine, workloads=("code-edit", "json-reemit"), prompts_per_workload=2, batches=(1, 2),
-                            max_new_tokens=24)
+                            max_new_tokens=24, repeats=1)
     assert [(r["workload"], r["batch"]) for r in report["rows"]] == [
         ("code-edit", 1), ("code-edit", 2), ("json-reemit", 1), ("json-reemit", 2)]
     assert all(r["identical"] for r in report["rows"])

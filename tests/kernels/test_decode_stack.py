@@ -228,7 +228,7 @@ def test_fp32_path_runs_its_dense_weights_in_the_stack(tiny_llama_dir, monkeypat
     calls = _stack_calls(monkeypatch)
     params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True)
     prompts = ["The quick brown fox", "A radix tree stores", "Once upon a time"]
-    with Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="none") as eng:
+    with Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="none", speculative=False) as eng:
         model = eng.runner.model
         assert eng.runner.quantization.decode_stack and model.decode_stack.max_tokens == 8
         assert model.decode_stack.layers[0].qkv.weight.data_ptr() == model.layers[0].self_attn.qkv_proj.weight.data_ptr()
@@ -256,9 +256,9 @@ def test_smollm2_decode_runs_the_stack_and_tracks_fp32(monkeypatch):
     calls = _stack_calls(monkeypatch)
     params = SamplingParams(max_new_tokens=24, temperature=0)
     prompts = ["Write a haiku about the sea.", "Explain what a radix tree is."]
-    with Engine(kv_cache_tokens=4096) as ref:
+    with Engine(kv_cache_tokens=4096, speculative=False) as ref:
         fp32 = [ref.generate(messages=[{"role": "user", "content": p}], params=params).token_ids for p in prompts]
-    with Engine(kv_cache_tokens=4096, quantization="auto") as eng:
+    with Engine(kv_cache_tokens=4096, quantization="auto", speculative=False) as eng:
         assert eng.runner.quantization.mode == "gguf" and eng.runner.quantization.decode_stack
         cold = [eng.generate(messages=[{"role": "user", "content": p}], params=params).token_ids for p in prompts]
         warm = [eng.generate(messages=[{"role": "user", "content": p}], params=params).token_ids for p in prompts]
@@ -266,6 +266,21 @@ def test_smollm2_decode_runs_the_stack_and_tracks_fp32(monkeypatch):
     assert cold == warm
     agree = sum(a == b for x, y in zip(cold, fp32) for a, b in zip(x, y)) / sum(map(len, fp32))
     assert agree > 0.5  # measured on the workloads against vLLM's fp32 in BENCHMARKS.md
+
+
+def test_speculative_rows_of_one_request_run_in_the_stack(monkeypatch):
+    """A drafted request's verification rows are decode rows: at batch 1 the stack gets several
+    rows per step, and the tokens are plain decoding's."""
+    calls = _stack_calls(monkeypatch)
+    prompt = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta alpha beta"
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    with Engine(kv_cache_tokens=4096, quantization="auto") as eng:
+        assert eng.scheduler.speculative
+        spec = eng.generate(prompt, params).token_ids
+        eng.scheduler.call(lambda: setattr(eng.scheduler, "speculative", False))
+        eng.flush_cache()
+        plain = eng.generate(prompt, params).token_ids
+    assert spec == plain and max(calls) > 1
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
