@@ -11,8 +11,8 @@ import torch
 
 from ..mem_cache.kv_manager import KVManager
 from ..outputs import SchedulerStats, TokenLogprob
-from .request import Req
 from ..utils import common_prefix_len
+from .request import Req
 from .sampling import sample_batch
 from .schedule_batch import ScheduleBatch
 from .speculative import Draft, DraftStats
