@@ -11,10 +11,8 @@ from typing import Any
 @contextmanager
 def speculation(engine: Any, enabled: bool) -> Iterator[None]:
     """While open, the engine's scheduler drafts (or not); set between steps, on its thread."""
-    scheduler = engine.scheduler
-    previous = scheduler.call(lambda: scheduler.speculative)
-    scheduler.call(lambda: setattr(scheduler, "speculative", enabled))
+    previous = engine.scheduler.set_speculative(enabled)
     try:
         yield
     finally:
-        scheduler.call(lambda: setattr(scheduler, "speculative", previous))
+        engine.scheduler.set_speculative(previous)

@@ -108,15 +108,10 @@ class ModeResult:
         return self.tokens / self.seconds
 
 
-def _set_speculative(engine: Engine, enabled: bool) -> None:
-    scheduler = engine.scheduler
-    scheduler.call(lambda: setattr(scheduler, "speculative", enabled))
-
-
 def run_mode(engine: Engine, prompts: list[list[int]], batch: int, max_new_tokens: int,
              speculative: bool) -> tuple[ModeResult, list[list[int]]]:
     """Decode `prompts` (their KV cached first) in waves of `batch`; returns timing and token ids."""
-    _set_speculative(engine, speculative)
+    engine.scheduler.set_speculative(speculative)
     if not engine.flush_cache():
         raise RuntimeError("the cache could not be flushed (requests still running)")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
@@ -148,11 +143,11 @@ def run(engine: Engine, *, workloads: tuple[str, ...] = WORKLOADS, prompts_per_w
                               "rows": [],
                               "prompts": {}}
     engine.generate("warm up", SamplingParams(max_new_tokens=4))
-    own_setting = engine.scheduler.call(lambda: engine.scheduler.speculative)
+    own_setting = engine.scheduler.set_speculative(engine.scheduler.speculative)
     for name in workloads:
         prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
                    for m in build_messages(name, prompts_per_workload)]
-        prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+        prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]  # a BatchEncoding or ids
         report["prompts"][name] = prompts
         for batch in batches:
             runs: dict[bool, list] = {False: [], True: []}
@@ -168,7 +163,7 @@ def run(engine: Engine, *, workloads: tuple[str, ...] = WORKLOADS, prompts_per_w
             print(f"[spec] {name} b{batch}: plain {plain.tok_s:.1f} tok/s, spec {spec.tok_s:.1f} tok/s "
                   f"({row['speedup']:.2f}x), accepted {spec.accepted}/{spec.drafted}, identical {row['identical']}",
                   file=sys.stderr, flush=True)
-    _set_speculative(engine, own_setting)
+    engine.scheduler.set_speculative(own_setting)
     return report
 
 

@@ -158,7 +158,7 @@ class RadixCache:
         earlier request produced after this very sequence), along the most recently used branch;
         [] when the tree does not hold all of `token_ids`. Read-only: no split, no access time
         (a speculative draft, not a use of the KV)."""
-        key = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        key = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids  # read only: no copy
         if self.disable or max_tokens <= 0:
             return []
         node, pos, out = self.root, 0, []
@@ -177,12 +177,12 @@ class RadixCache:
             out.extend(node.key[:max_tokens - len(out)])
         return out
 
-    def _child_along(self, node: TreeNode, key: list[int], pos: int) -> TreeNode | None:
+    def _child_along(self, node: TreeNode, key: Sequence[int], pos: int) -> TreeNode | None:
         """The child of `node` whose key continues `key[pos:]` (with pages, a last partial page
         picks the most recently used child that starts with it)."""
         if self.page_size == 1 or len(key) - pos >= self.page_size:
             return node.children.get(self._child_key(key, pos))
-        rest = key[pos:]
+        rest = list(key[pos:])
         fits = [c for c in node.children.values() if c.key[:len(rest)] == rest]
         return max(fits, key=lambda c: c.last_access_time, default=None)
 

@@ -69,6 +69,15 @@ class Scheduler:
             self.output.detokenize(req)
         self._inbox.post("add", req)
 
+    def set_speculative(self, enabled: bool) -> bool:
+        """Turn speculative decoding on or off between steps (benchmarks and tests compare the two);
+        returns the previous setting."""
+        def swap() -> bool:
+            previous, self.speculative = self.speculative, enabled
+            return previous
+
+        return self.call(swap)
+
     def abort(self, rid: str) -> None:
         self._inbox.post("abort", rid)
 

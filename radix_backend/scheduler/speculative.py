@@ -17,7 +17,7 @@ rejection rule (accept d with probability p(d), else sample from p with d remove
 
 How many draft tokens a request gets each step is a small cost model (`plan_drafts`): a row costs
 `row_cost` of a one-row step, draft token j pays off with probability alpha^j (alpha: the request's
-recent acceptance rate for the source), and draft rows are added, most likely first, while each
+acceptance rate for that kind of draft), and draft rows are added, most likely first, while each
 raises the batch's expected tokens per unit of time. Open-ended text, where drafts miss, soon gets
 none.
 """

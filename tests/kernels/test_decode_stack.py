@@ -277,7 +277,7 @@ def test_speculative_rows_of_one_request_run_in_the_stack(monkeypatch):
     with Engine(kv_cache_tokens=4096, quantization="auto") as eng:
         assert eng.scheduler.speculative
         spec = eng.generate(prompt, params).token_ids
-        eng.scheduler.call(lambda: setattr(eng.scheduler, "speculative", False))
+        eng.scheduler.set_speculative(False)
         eng.flush_cache()
         plain = eng.generate(prompt, params).token_ids
     assert spec == plain and max(calls) > 1
