@@ -1,8 +1,9 @@
 """GGUF tensors in their own ggml types: decode a tensor's blocks into what our kernels run.
 
-Each supported type becomes codes with parameters per group of 32 (`q4.GroupCodes`, run by the
-low-bit kernel) or, for Q8_0, 8-bit codes with an fp16 scale per 32 (`q8.PackedQ8`); F32, F16 and
-BF16 tensors are plain floats. The bit layouts follow ggml's block structs (as `gguf.quants`
+Each quantized type becomes codes with parameters per group of 32 (`q4.GroupCodes`, run by the
+low-bit kernel; Q8_0's signed codes as unsigned codes + 128 with an offset of 128, so a fused q/k/v
+of mixed types stays one chained call), and Q8_0 also 8-bit codes with an fp16 scale per 32
+(`q8.PackedQ8`, the LM head's kernel); F32, F16 and BF16 tensors are plain floats. The bit layouts follow ggml's block structs (as `gguf.quants`
 reads them); `dequantize` gives the same fp32 values as `gguf.quants.dequantize`, bit for bit
 (tested per type).
 """
@@ -22,8 +23,8 @@ Q4_K, Q5_K, Q6_K, BF16 = 12, 13, 14, 30
 NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
          Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
 FLOAT_TYPES = (F32, F16, BF16)
-LOW_BIT_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)  # run by the low-bit kernel (q4.py)
-SUPPORTED = (*FLOAT_TYPES, *LOW_BIT_TYPES, Q8_0)
+LOW_BIT_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)  # run by the low-bit kernel (q4.py)
+SUPPORTED = (*FLOAT_TYPES, *LOW_BIT_TYPES)
 # (weights per block, bytes per block)
 BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
          Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
@@ -120,6 +121,9 @@ def group_codes(t: RawTensor, rows: slice | np.ndarray | None = None) -> q4.Grou
         if kind == Q5_0:
             return out(codes, d, None, q4.SCALE_OFFSET, 1, offset=16.0)
         return out(codes, d, _f16(b[..., 2:4]), q4.SCALE_MIN, 1)
+    if kind == Q8_0:
+        codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.int16) + 128
+        return out(codes.astype(np.uint8), _f16(b[..., 0:2]), None, q4.SCALE_OFFSET, 4, offset=128.0)
     if kind in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])

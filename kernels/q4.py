@@ -1,10 +1,10 @@
 """Low-bit weights in the kernel's layout (`csrc/q4.h`, `csrc/q4_matmul.c`) and their matmul.
 
-One layout serves GGUF's 4-, 5- and 6-bit types: per group of 32 input features a weight is
-`scale * code + minimum` (Q4_1, Q5_1, Q4_K, Q5_K) or `scale * (code - offset)` (Q4_0, Q5_0; Q6_K
-with a scale per 16 features). Codes keep their low 4 bits as nibbles in blocks of 16 output rows
-(one int32 lane each in a 512-bit vector) and, for 5- and 6-bit codes, their upper bits in 1 or 2
-bit planes. Scales and minimums stay as the file stores them: fp16 per block of 32 (Q4_0 .. Q5_1),
+One layout serves GGUF's 4-, 5-, 6- and 8-bit types: per group of 32 input features a weight is
+`scale * code + minimum` (Q4_1, Q5_1, Q4_K, Q5_K) or `scale * (code - offset)` (Q4_0, Q5_0, Q8_0
+with its codes + 128; Q6_K with a scale per 16 features). Codes keep their low 4 bits as nibbles
+in blocks of 16 output rows (one int32 lane each in a 512-bit vector) and, for 5-, 6- and 8-bit
+codes, their upper bits in 1, 2 or 4 bit planes. Scales and minimums stay as the file stores them: fp16 per block of 32 (Q4_0 .. Q5_1),
 or for the K-quants the int8 sub-block scales (and minimums) with one fp16 factor pair per
 super-block of 256, multiplied in the kernel (the products are exact in fp32, as gguf computes
 them); fp32 parameters serve anything else. `kernels/ggml.py` turns a GGUF tensor's blocks into
@@ -168,8 +168,8 @@ def pack(weights: GroupCodes, bias: torch.Tensor | None = None) -> PackedQ4:
     n, k = weights.codes.shape
     if n % Q4_ROWS or k % GROUP_SIZE:
         raise ValueError(f"packing needs N % {Q4_ROWS} == 0 and K % {GROUP_SIZE} == 0; got {(n, k)}")
-    if weights.high_bits not in (0, 1, 2):
-        raise ValueError(f"codes of 4, 5 or 6 bits only; got high_bits={weights.high_bits}")
+    if weights.high_bits not in (0, 1, 2, 4):
+        raise ValueError(f"codes of 4, 5, 6 or 8 bits only; got high_bits={weights.high_bits}")
     groups = k // GROUP_SIZE
     codes = weights.codes.to(torch.uint8).contiguous()
     packed = torch.empty(n // Q4_ROWS, groups, 4, Q4_ROWS, 4, dtype=torch.uint8)
@@ -216,6 +216,12 @@ def chain(parts: list[PackedQ4]) -> PackedQ4:
     for a, b in zip(parts, parts[1:]):
         a.next, a._struct = b, None
     return parts[0]
+
+
+def fast_8bit_codes() -> bool:
+    """Whether this CPU's build multiplies 8-bit codes (Q8_0) in one integer pass (VNNI). Without
+    VNNI they are split into nibbles, twice the work: Q8_0 then runs faster on `q8.py`'s kernel."""
+    return bool(native.library().rb_q4_fast_8bit_codes())
 
 
 def q4_matmul(x: torch.Tensor, weight: PackedQ4 | DenseWeight, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:

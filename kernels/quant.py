@@ -272,9 +272,10 @@ def _flags_of(cpuinfo: str) -> set[str]:
 
 class GGUFLinear(nn.Module):
     """y = x @ W^T (+ bias) for one or more weights of the same input (q, k, v; gate, up), each
-    kept in its GGUF type and its outputs side by side. Low-bit types (4/5/6-bit) run the native
+    kept in its GGUF type and its outputs side by side. Low-bit types (4/5/6/8-bit) run the native
     low-bit kernel, chained into one call when every part fits its 16-row blocks (`native_q4`,
-    which the decode stack also takes); Q8_0 runs the native 8-bit kernels (`Int8Linear`); float
+    which the decode stack also takes); Q8_0 does so where VNNI multiplies its codes in one pass
+    (`q4.fast_8bit_codes`), else it runs the native 8-bit kernel (`Int8Linear`); float
     tensors, and every type where the native kernels do not build, run as fp32 (`kernels` says
     which ran where)."""
 
@@ -296,7 +297,7 @@ class GGUFLinear(nn.Module):
         packed: list[q4.PackedQ4] = []
         for i, (raw, bias) in enumerate(zip(parts, biases)):
             kind = ggml.type_name(raw.ggml_type)
-            if native_ok and raw.ggml_type in ggml.LOW_BIT_TYPES:
+            if native_ok and raw.ggml_type in ggml.LOW_BIT_TYPES and (raw.ggml_type != ggml.Q8_0 or q4.fast_8bit_codes()):
                 weight = q4.pack(q4.pad_rows(ggml.group_codes(raw)), bias=_pad(bias, -raw.rows % q4.Q4_ROWS))
                 self._keep(f"part{i}", weight)
                 packed.append(weight)

@@ -1,6 +1,6 @@
-/* Low-bit weights in the shapes of GGUF's 4-, 5- and 6-bit types (per group of 32 input features:
-   w = scale * code + minimum, or w = scale * (code - offset), with one scale per 16 features for
-   Q6_K) times fp32 rows, with the activations as integers per group of 32 (q4_matmul.c); used by
+/* Low-bit weights in the shapes of GGUF's 4-, 5-, 6- and 8-bit types (per group of 32 input
+   features: w = scale * code + minimum, or w = scale * (code - offset), with one scale per 16
+   features for Q6_K; Q8_0 as unsigned codes + 128 with offset 128) times fp32 rows, with the activations as integers per group of 32 (q4_matmul.c); used by
    the decode stack (decode_stack.c) and, through rb_q4_matmul, by the low-bit linears of the torch
    path. Which GGUF type maps to which fields: kernels/q4.py. */
 #ifndef RB_Q4_H
@@ -12,7 +12,7 @@
 
 /* How a group's parameters give its weights (`layout`):
    Q4_SCALE_MIN      params [scale, minimum]: w = scale * code + minimum (Q4_1, Q5_1, Q4_K, Q5_K)
-   Q4_SCALE_OFFSET   params [scale]: w = scale * (code - offset) (Q4_0, Q5_0)
+   Q4_SCALE_OFFSET   params [scale]: w = scale * (code - offset) (Q4_0, Q5_0, Q8_0)
    Q4_SCALE16_OFFSET params [scale of features 0..15, scale of 16..31]: w = scale * (code - offset)
                      (Q6_K, whose sub-blocks are 16 weights) */
 enum { Q4_SCALE_MIN = 0, Q4_SCALE_OFFSET = 1, Q4_SCALE16_OFFSET = 2 };
@@ -21,7 +21,7 @@ enum { Q4_PARAMS_F16 = 0, Q4_PARAMS_F32 = 1, Q4_PARAMS_K = 2 };
 /* codes [N / 16, K / 32, 4, 16, 4] bytes: for block b, group g, quad j (0..3), row r, byte k the
    low nibble holds the low 4 bits of feature 4j + k's code and the high nibble those of feature
    16 + 4j + k ("quads" 0..3 and 4..7), so a 64-byte load holds 4 features of all 16 rows.
-   high [N / 16, K / 32, high_bits, 64] (5- and 6-bit codes): code bits 4.. of quad j sit in byte
+   high [N / 16, K / 32, high_bits, 64] (5-, 6- and 8-bit codes): code bits 4.. of quad j sit in byte
    (r, k) of vector (j * high_bits) / 8 at bit (j * high_bits) % 8.
    params [N / 16, K / 32, S, 16], S per `layout`, in one of three kinds (`params_kind`):
    Q4_PARAMS_F16 (the types that store fp16 per block of 32: exact), Q4_PARAMS_F32, or
@@ -40,7 +40,7 @@ typedef struct rb_q4_weight {
     int64_t in, out;   /* in a multiple of 32, out a multiple of Q4_ROWS */
     const uint8_t *high;
     const _Float16 *super; /* Q4_PARAMS_K only */
-    int32_t high_bits;   /* 0, 1 or 2: codes of 4, 5 or 6 bits */
+    int32_t high_bits;   /* 0, 1, 2 or 4: codes of 4, 5, 6 or 8 bits */
     int32_t layout;      /* Q4_SCALE_MIN, Q4_SCALE_OFFSET or Q4_SCALE16_OFFSET */
     int32_t params_kind; /* Q4_PARAMS_F16, Q4_PARAMS_F32 or Q4_PARAMS_K */
     float offset;       /* the code offset of the *_OFFSET layouts */

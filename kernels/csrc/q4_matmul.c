@@ -233,7 +233,9 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
     return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else /* codes <= 15, |digits| <= 128: the pairwise int16 sums cannot saturate */
+#else /* codes <= 63, |digits| <= 128: the pairwise int16 sums cannot saturate (8-bit codes: see
+          wide_group_dots) */
+#define DOT_U8S8_SATURATES 1
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
@@ -253,6 +255,24 @@ static inline __attribute__((always_inline)) void group_dots(const __m256i quad[
         *b = _mm256_add_epi32(_mm256_slli_epi32(*b, 8), _mm256_add_epi32(part[1][2], part[1][3]));
     }
 }
+
+#ifdef DOT_U8S8_SATURATES
+/* group_dots for 8-bit codes (Q8_0 as codes + 128) where `vpmaddubsw`'s pair sums could saturate
+   (255 * 128 * 2 > 32767): each code's two nibbles apart, dot = low + 16 * high, still exact */
+static inline __attribute__((always_inline)) void wide_group_dots(const __m256i quad[8], const int8_t *q, const int P,
+                                                                  __m256i *a, __m256i *b) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256i low[8], high[8], low_a, low_b, high_a, high_b;
+    for (int j = 0; j < 8; j++) {
+        low[j] = _mm256_and_si256(quad[j], nibble);
+        high[j] = _mm256_and_si256(_mm256_srli_epi16(quad[j], 4), nibble);
+    }
+    group_dots(low, q, P, &low_a, &low_b);
+    group_dots(high, q, P, &high_a, &high_b);
+    *a = _mm256_add_epi32(low_a, _mm256_slli_epi32(high_a, 4));
+    *b = _mm256_add_epi32(low_b, _mm256_slli_epi32(high_b, 4));
+}
+#endif
 
 /* load_quads of the AVX-512 build for one half block (8 rows: `group_codes` already offset) */
 static inline __attribute__((always_inline)) void load_quads(const uint8_t *group_codes, __m256i quad[8]) {
@@ -331,8 +351,12 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
             }
             for (int i = 0; i < R; i++) {
                 const int64_t at = (row0 + i) * groups + g;
-                __m256i dot_a, dot_b; /* codes <= 63, |digits| <= 128: no int16 saturation */
-                group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
+                __m256i dot_a, dot_b;
+#ifdef DOT_U8S8_SATURATES
+                if (hb == 4) wide_group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
+                else
+#endif
+                    group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
                 const __m256 xs = _mm256_set1_ps(x->scale[at]);
                 if (layout == Q4_SCALE16_OFFSET) {
                     acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_a), _mm256_mul_ps(first, xs), acc[i]);
@@ -481,6 +505,16 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
             }
         }
     }
+}
+
+/* 1 where 8-bit codes (high_bits 4) take one integer pass per group; 0 where they are split into
+   nibbles (AVX2 without VNNI: twice the integer work, slower than q8_matmul.c's row kernel) */
+int rb_q4_fast_8bit_codes(void) {
+#ifdef DOT_U8S8_SATURATES
+    return 0;
+#else
+    return 1;
+#endif
 }
 
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
