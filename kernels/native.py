@@ -52,7 +52,7 @@ _SIGNATURES = {
     "rb_silu_and_mul_bf16": ([_P, _I, _I, _P], None),
     "rb_q4_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P], None),
-    "rb_q4_fast_8bit_codes": ([], ctypes.c_int),
+    "rb_q4_smallest_8bit_code": ([], ctypes.c_int),
     "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
     "rb_q8_tiled_supported": ([], ctypes.c_int),
     "rb_q8_tiled_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),

@@ -218,10 +218,11 @@ def chain(parts: list[PackedQ4]) -> PackedQ4:
     return parts[0]
 
 
-def fast_8bit_codes() -> bool:
-    """Whether this CPU's build multiplies 8-bit codes (Q8_0) in one integer pass (VNNI). Without
-    VNNI they are split into nibbles, twice the work: Q8_0 then runs faster on `q8.py`'s kernel."""
-    return bool(native.library().rb_q4_fast_8bit_codes())
+def multiplies_exactly(weights: GroupCodes) -> bool:
+    """Whether this CPU's build computes with `weights` exactly: every code but an 8-bit code of 0
+    (a Q8_0 code of -128, which llama.cpp never writes) on AVX2 without VNNI, whose 8-bit products
+    take the codes as signed bytes."""
+    return weights.high_bits != 4 or int(weights.codes.min()) >= native.library().rb_q4_smallest_8bit_code()
 
 
 def q4_matmul(x: torch.Tensor, weight: PackedQ4 | DenseWeight, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:

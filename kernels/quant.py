@@ -274,8 +274,8 @@ class GGUFLinear(nn.Module):
     """y = x @ W^T (+ bias) for one or more weights of the same input (q, k, v; gate, up), each
     kept in its GGUF type and its outputs side by side. Low-bit types (4/5/6/8-bit) run the native
     low-bit kernel, chained into one call when every part fits its 16-row blocks (`native_q4`,
-    which the decode stack also takes); Q8_0 does so where VNNI multiplies its codes in one pass
-    (`q4.fast_8bit_codes`), else it runs the native 8-bit kernel (`Int8Linear`); float
+    which the decode stack also takes; a Q8_0 tensor the build cannot multiply exactly,
+    `q4.multiplies_exactly`, runs the native 8-bit kernel, `Int8Linear`, instead); float
     tensors, and every type where the native kernels do not build, run as fp32 (`kernels` says
     which ran where)."""
 
@@ -294,11 +294,17 @@ class GGUFLinear(nn.Module):
         self.native_q4: q4.PackedQ4 | None = None
         self.runners: list = []
         native_ok = native.available()
+        # a lone Q8_0 weight at 16-bit activations (the LM head) chains with nothing; on AVX2 without
+        # VNNI the 8-bit kernel's int16 products serve it faster (SmolLM2's head, one row: 0.71 vs
+        # 1.06 ms), elsewhere the low-bit layout does (0.46 vs 0.57 ms with AVX-512 VNNI)
+        q8_head_on_8bit_kernel = (len(parts) == 1 and fixed_activation_bits == 16 and native_ok
+                     and native.library().rb_q4_smallest_8bit_code() == 1)
         packed: list[q4.PackedQ4] = []
         for i, (raw, bias) in enumerate(zip(parts, biases)):
             kind = ggml.type_name(raw.ggml_type)
-            if native_ok and raw.ggml_type in ggml.LOW_BIT_TYPES and (raw.ggml_type != ggml.Q8_0 or q4.fast_8bit_codes()):
-                weight = q4.pack(q4.pad_rows(ggml.group_codes(raw)), bias=_pad(bias, -raw.rows % q4.Q4_ROWS))
+            codes = ggml.group_codes(raw) if native_ok and raw.ggml_type in ggml.LOW_BIT_TYPES else None
+            if codes is not None and q4.multiplies_exactly(codes) and not (q8_head_on_8bit_kernel and codes.high_bits == 4):
+                weight = q4.pack(q4.pad_rows(codes), bias=_pad(bias, -raw.rows % q4.Q4_ROWS))
                 self._keep(f"part{i}", weight)
                 packed.append(weight)
                 self.runners.append(weight)

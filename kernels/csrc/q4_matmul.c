@@ -234,7 +234,7 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #elif defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else /* codes <= 63, |digits| <= 128: the pairwise int16 sums cannot saturate (8-bit codes: see
-          wide_group_dots) */
+          signed_group_dots) */
 #define DOT_U8S8_SATURATES 1
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
@@ -257,21 +257,35 @@ static inline __attribute__((always_inline)) void group_dots(const __m256i quad[
 }
 
 #ifdef DOT_U8S8_SATURATES
-/* group_dots for 8-bit codes (Q8_0 as codes + 128) where `vpmaddubsw`'s pair sums could saturate
-   (255 * 128 * 2 > 32767): each code's two nibbles apart, dot = low + 16 * high, still exact */
-static inline __attribute__((always_inline)) void wide_group_dots(const __m256i quad[8], const int8_t *q, const int P,
-                                                                  __m256i *a, __m256i *b) {
-    const __m256i nibble = _mm256_set1_epi8(15);
-    __m256i low[8], high[8], low_a, low_b, high_a, high_b;
-    for (int j = 0; j < 8; j++) {
-        low[j] = _mm256_and_si256(quad[j], nibble);
-        high[j] = _mm256_and_si256(_mm256_srli_epi16(quad[j], 4), nibble);
+/* group_dots for 8-bit codes (Q8_0 as codes + 128), where `vpmaddubsw`'s pair sums of unsigned
+   codes could saturate (255 * 128 * 2 > 32767): the codes as signed bytes (code - 128) and
+   llama.cpp's sign trick, |digit| times code * sign(digit), pair sums within 2 * 128 * 127. The
+   dots are of the signed codes (no offset term to add), exact for every code but -128, which Q8_0
+   files do not hold (q4.py keeps a tensor with one off this kernel). */
+static inline __attribute__((always_inline)) void signed_group_dots(const __m256i quad[8], const int8_t *q,
+                                                                    const int P, __m256i *a, __m256i *b) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256i part[2][4];
+    for (int p = 0; p < P; p++)
+        for (int c = 0; c < 4; c++) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int k = 0; k < 2; k++) {
+                const __m256i x = _mm256_set1_epi32(load_i32(q + p * 32 + 8 * c + 4 * k));
+                const __m256i code = _mm256_xor_si256(quad[2 * c + k], flip);
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(code, x)), ones));
+            }
+            part[p][c] = sum;
+        }
+    *a = _mm256_add_epi32(part[0][0], part[0][1]), *b = _mm256_add_epi32(part[0][2], part[0][3]);
+    if (P == 2) {
+        *a = _mm256_add_epi32(_mm256_slli_epi32(*a, 8), _mm256_add_epi32(part[1][0], part[1][1]));
+        *b = _mm256_add_epi32(_mm256_slli_epi32(*b, 8), _mm256_add_epi32(part[1][2], part[1][3]));
     }
-    group_dots(low, q, P, &low_a, &low_b);
-    group_dots(high, q, P, &high_a, &high_b);
-    *a = _mm256_add_epi32(low_a, _mm256_slli_epi32(high_a, 4));
-    *b = _mm256_add_epi32(low_b, _mm256_slli_epi32(high_b, 4));
 }
+#define SIGNED_8BIT_CODES 1
+#else
+#define SIGNED_8BIT_CODES 0
 #endif
 
 /* load_quads of the AVX-512 build for one half block (8 rows: `group_codes` already offset) */
@@ -323,7 +337,8 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           float *out, const int R, const int P) {
     const int hb = w->high_bits, kind = w->params_kind, layout = w->layout;
     const int64_t bytes = q4_param_bytes(w), half = Q4_ROWS * bytes, stride = q4_param_stride(w);
-    const __m256 negoff = _mm256_set1_ps(-w->offset);
+    const int signed_codes = SIGNED_8BIT_CODES && hb == 4; /* signed_group_dots: no offset term */
+    const __m256 negoff = _mm256_set1_ps(signed_codes ? 0.f : -w->offset);
     const __m256i hmask = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4));
     for (int h = 0; h < 2; h++) {
         __m256 acc[TILE];
@@ -353,7 +368,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                 const int64_t at = (row0 + i) * groups + g;
                 __m256i dot_a, dot_b;
 #ifdef DOT_U8S8_SATURATES
-                if (hb == 4) wide_group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
+                if (signed_codes) signed_group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
                 else
 #endif
                     group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
@@ -507,15 +522,12 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
     }
 }
 
-/* 1 where 8-bit codes (high_bits 4) take one integer pass per group; 0 where they are split into
-   nibbles (AVX2 without VNNI: twice the integer work, slower than q8_matmul.c's row kernel) */
-int rb_q4_fast_8bit_codes(void) {
-#ifdef DOT_U8S8_SATURATES
-    return 0;
-#else
-    return 1;
+/* The smallest 8-bit code (Q8_0 code + 128) this build multiplies exactly: 1 on AVX2 without VNNI
+   (signed_group_dots), else 0 */
+#ifndef SIGNED_8BIT_CODES
+#define SIGNED_8BIT_CODES 0
 #endif
-}
+int rb_q4_smallest_8bit_code(void) { return SIGNED_8BIT_CODES; }
 
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
                int64_t threads) {

@@ -15,7 +15,7 @@ import torch
 from gguf_files import ModelSpec, requantize_smollm2, write_model
 from radix_backend import Engine, SamplingParams
 from radix_backend.errors import ModelLoadError
-from radix_backend.kernels import native, ops, q4
+from radix_backend.kernels import native, ops
 from radix_backend.model_executor.loader import resolve_checkpoint
 
 pytest.importorskip("gguf")
@@ -107,18 +107,15 @@ def test_the_decode_stack_takes_a_chained_qkv_of_mixed_types(tmp_path):
 
 
 def test_q8_0_parts_join_the_chain_and_the_decode_stack(tmp_path):
-    """llama.cpp's Q4_K_M files keep some attn_v / ffn_down tensors in Q8_0: where VNNI multiplies
-    8-bit codes in one pass they join the low-bit chain, so the one-call decode stack serves the
-    model, with the per-layer path's greedy tokens and logprobs."""
+    """llama.cpp's Q4_K_M files keep some attn_v / ffn_down tensors in Q8_0: they join the low-bit
+    chain, so the one-call decode stack serves the model, with the per-layer path's greedy tokens
+    and logprobs."""
     types = {**K_QUANTS, "attn_k": "Q4_K", "attn_v": "Q8_0", "ffn_down": "Q8_0", "output": "Q8_0"}
     path = write_model(tmp_path / "q4_k_m.gguf", dataclasses.replace(SPECS["llama-kquants"], types=types))
     params = SamplingParams(max_new_tokens=10, temperature=0, logprobs=True)
     with Engine(str(path), kv_cache_tokens=1024, quantization="auto") as eng:
         qkv = eng.runner.model.layers[0].self_attn.qkv_proj
         assert [kind for kind, _ in qkv.kernels] == ["Q4_K", "Q4_K", "Q8_0"]
-        if not q4.fast_8bit_codes():  # AVX2 without VNNI: Q8_0 on the 8-bit kernel, per layer
-            assert qkv.native_q4 is None and eng.runner.model.decode_stack is None
-            return
         assert qkv.native_q4.next.next.high_bits == 4 and eng.runner.model.decode_stack is not None
         assert eng.runner.quantization.kernels["Q8_0"] == {"native low-bit": 4 + 1}  # 2 layers x 2, the head
         stacked = [eng.generate(p, params) for p in PROMPTS]

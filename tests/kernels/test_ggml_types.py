@@ -5,6 +5,7 @@ on this CPU's build and on the AVX2 and portable ones."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import platform
 
 import numpy as np
@@ -89,6 +90,22 @@ def test_rows_padded_to_blocks_of_16():
     assert torch.count_nonzero(q4.q4_matmul(x, packed)[:, 40:]) == 0
 
 
+def test_q8_0_codes_of_minus_128_stay_exact():
+    """A Q8_0 code of -128 (valid in the format, never written by llama.cpp) keeps exact products: it
+    runs on the low-bit kernel where the build multiplies it exactly, else on the 8-bit kernel."""
+    from radix_backend.kernels.quant import GGUFLinear
+
+    t = random_tensor(ggml.Q8_0, 32, 256, seed=5)
+    codes = ggml.group_codes(t)
+    assert int(codes.codes.min()) == 0  # random blocks hold every code, -128 included
+    assert q4.multiplies_exactly(codes) == (native.library().rb_q4_smallest_8bit_code() == 0)
+    assert q4.multiplies_exactly(dataclasses.replace(codes, codes=codes.codes.clamp(min=1)))
+    layer = GGUFLinear([t])
+    assert (layer.native_q4 is not None) == q4.multiplies_exactly(codes)
+    x = torch.randn(3, 256)
+    assert relative_error(layer(x), x.double() @ gguf_reference(t).double().T) < 1.5e-2
+
+
 def test_unsupported_type_is_named():
     with pytest.raises(ggml.UnsupportedTensorType, match="IQ2_XXS.*supported GGUF tensor types: F32"):
         ggml.check_supported(16, "blk.0.attn_q.weight")
@@ -106,7 +123,11 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
         pytest.skip(f"cannot load the {march} build here: {exc}")
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
     for kind in ggml.LOW_BIT_TYPES:
-        packed = q4.pack(ggml.group_codes(random_tensor(kind, 32, 256, seed=kind)), bias=torch.randn(32))
+        codes = ggml.group_codes(random_tensor(kind, 32, 256, seed=kind))
+        if kind == ggml.Q8_0:  # -128 (unsigned 0), which llama.cpp never writes: not multiplied exactly everywhere
+            assert lib.rb_q4_smallest_8bit_code() == (1 if march == "haswell" else 0)
+            codes.codes.clamp_(min=1)
+        packed = q4.pack(codes, bias=torch.randn(32))
         got = torch.empty(9, 32)
         for bits in (16, 8):
             assert lib.rb_q4_matmul(ctypes.byref(packed.as_struct()), x.data_ptr(), 9, got.data_ptr(), 2, bits) == 0
