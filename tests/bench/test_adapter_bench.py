@@ -34,14 +34,22 @@ def test_adapters_bench_small() -> None:
 
 
 @pytest.mark.slow
-def test_dspy_workload_runs_in_process_and_over_http() -> None:
-    """The DSPy row: the same optimizer run on RadixLM and on dspy.LM over HTTP to a
-    `radix-backend serve` process (both sides timed, the in-process side's cache counted)."""
-    pytest.importorskip("dspy")
+def test_framework_programs_run_in_process_and_over_http() -> None:
+    """Each framework's program with our adapter in process and with the framework's own OpenAI
+    client over HTTP to a `radix-backend serve` process: both sides timed, greedy outputs equal
+    (same engine and weights on both sides), the in-process side served from the cache."""
+    for module in ("dspy", "pydantic_ai", "haystack", "smolagents", "instructor"):
+        pytest.importorskip(module)
     from radix_backend.bench import adapters_bench as ab
+    from radix_backend.bench import framework_http
     from radix_backend.engine import get_engine
 
-    row = ab.bench_dspy(get_engine(), None, train=2, test=2)
-    assert row["baseline"] == "dspy.LM over HTTP" and row["radix_s"] > 0 and row["hf_s"] > 0
-    assert row["calls"] >= 2 and row["cached_tokens"] > 0  # DSPy resends its instructions: cache hits
-    assert "dspy-bootstrap" in ab.format_results({"dspy": row})
+    rows = framework_http.run(get_engine(), None, list(framework_http.PROGRAMS), 2)
+    assert [r["workload"] for r in rows] == list(framework_http.PROGRAMS)
+    for row in rows:
+        assert row["baseline"] == f"{row['workload']} over HTTP to radix-backend serve"
+        assert row["radix_s"] > 0 and row["hf_s"] > 0
+        if row["workload"] != "dspy":  # DSPy over LiteLLM sends no JSON schema: the server decodes freely
+            assert row["agreement"] == "2/2", row
+        assert row["cached_tokens"] > 0, row  # each program resends its instructions
+    assert "pydantic-ai" in ab.format_results({r["workload"]: r for r in rows})

@@ -12,7 +12,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 from driver_protocol import CallResult, main, measure
-from run_vllm import _free_port, _post, wait_ready
+from openai_servers import free_port, post, wait_ready
 
 SLOTS = 32
 
@@ -25,7 +25,7 @@ def start_server(plan: dict, port: int) -> subprocess.Popen:
 
 
 def run(plan: dict) -> dict:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     state = {"proc": start_server(plan, port)}
     try:
@@ -35,7 +35,7 @@ def run(plan: dict) -> dict:
         def one(ids: list[int], max_new_tokens: int, ignore_eos: bool) -> CallResult:
             body = {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0, "cache_prompt": True,
                     "ignore_eos": ignore_eos}
-            out = _post(f"{base}/completion", body)
+            out = post(f"{base}/completion", body)
             return CallResult(out["content"], out["tokens_predicted"], out.get("timings", {}).get("cache_n"))
 
         def run_wave(prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool) -> list[CallResult]:

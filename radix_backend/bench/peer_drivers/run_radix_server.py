@@ -12,7 +12,8 @@ import sys
 import urllib.request
 
 from driver_protocol import main, measure
-from run_vllm import _free_port, completions_wave, stop_server, wait_ready
+from openai_servers import free_port, stop_server, wait_ready
+from run_vllm import completions_wave
 
 
 def start_server(plan: dict, port: int) -> subprocess.Popen:
@@ -25,7 +26,7 @@ def start_server(plan: dict, port: int) -> subprocess.Popen:
 
 
 def run(plan: dict) -> dict:
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = start_server(plan, port)
     try:

@@ -11,7 +11,7 @@ import os
 import time
 
 from driver_protocol import CallResult, main, measure
-from run_vllm import VLLM_CPU_ENV
+from openai_servers import VLLM_CPU_ENV
 
 
 def run(plan: dict) -> dict:
