@@ -13,6 +13,7 @@ before its timed run; greedy everywhere, so `agreement` counts equal outputs.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -59,6 +60,16 @@ class Program:
     local: Callable[[Any], Any]
     remote: Callable[[Server], Any]
     run: Callable[[Any, int], list[str]]
+    client_module: str  # what `remote` imports: the framework's own OpenAI client
+
+    def client_missing(self) -> str | None:
+        """Why the framework's HTTP client cannot load here (e.g. a release that needs a newer
+        `openai` than the installed one), or None."""
+        try:
+            importlib.import_module(self.client_module)
+        except ImportError as exc:
+            return f"{self.name}: {self.client_module} does not import ({exc})"
+        return None
 
 
 # ---- the programs ---------------------------------------------------------------------------
@@ -81,7 +92,7 @@ def _pydantic_ai() -> Program:
         settings = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
         return [agent.run_sync(q, model_settings=settings).output for q in QUESTIONS[:n]]
 
-    return Program("pydantic-ai", local, remote, run)
+    return Program("pydantic-ai", local, remote, run, "pydantic_ai.models.openai")
 
 
 def _haystack() -> Program:
@@ -121,7 +132,7 @@ def _haystack() -> Program:
         return [rag.run({"retriever": {"query": q}, "prompt": {"question": q}})["llm"]["replies"][0].text
                 for q in QUESTIONS[:n]]
 
-    return Program("haystack", local, remote, run)
+    return Program("haystack", local, remote, run, "haystack.components.generators.chat")
 
 
 def _smolagents() -> Program:
@@ -142,7 +153,7 @@ def _smolagents() -> Program:
         agent = CodeAgent(tools=[], model=model, max_steps=2, verbosity_level=0)
         return [str(agent.run(f"{INSTRUCTIONS}\nTask: {q}")) for q in QUESTIONS[:n]]
 
-    return Program("smolagents", local, remote, run)
+    return Program("smolagents", local, remote, run, "smolagents")
 
 
 def _instructor() -> Program:
@@ -172,7 +183,7 @@ def _instructor() -> Program:
             messages=[{"role": "system", "content": "Extract the place the text is about. " + INSTRUCTIONS},
                       {"role": "user", "content": text}]).model_dump_json() for text in TEXTS[:n]]
 
-    return Program("instructor", local, remote, run)
+    return Program("instructor", local, remote, run, "instructor")
 
 
 DSPY_TRAIN = [("What is 2 + 2?", "4"), ("What is 3 + 5?", "8"), ("What is 10 - 4?", "6"), ("What is 7 + 1?", "8"),
@@ -205,7 +216,7 @@ def _dspy() -> Program:
         return dspy.LM(f"openai/{server.model}", api_base=server.base_url, api_key="unused", cache=False,
                        max_tokens=96, temperature=0.0)
 
-    return Program("dspy", local, remote, lambda lm, n: dspy_optimizer_run(lm, train=min(6, 2 * n), test=n))
+    return Program("dspy", local, remote, lambda lm, n: dspy_optimizer_run(lm, train=min(6, 2 * n), test=n), "dspy")
 
 
 PROGRAMS: dict[str, Callable[[], Program]] = {"pydantic-ai": _pydantic_ai, "haystack": _haystack,
@@ -283,8 +294,14 @@ def _timed_run(program: Program, model: Any, n: int, flush: Callable[[], None],
 def run(engine: Any, model: str | None, names: list[str], n: int, *, vllm_python: Path | None = None,
         log_dir: Path = Path(".")) -> list[dict[str, Any]]:
     """One row per (program, HTTP side): in-process time, HTTP time, speedup, agreement and the
-    in-process side's cache use. vLLM runs where `vllm_python` exists."""
-    programs = [PROGRAMS[name]() for name in names]
+    in-process side's cache use. vLLM runs where `vllm_python` exists; a program whose HTTP client
+    does not import here is skipped with the reason on stderr."""
+    programs = []
+    for program in (PROGRAMS[name]() for name in names):
+        if (missing := program.client_missing()) is None:
+            programs.append(program)
+        else:
+            print(f"skipped {missing}", file=sys.stderr)
     ours = {p.name: _timed_run(p, p.local(engine), n, engine.flush_cache, engine.cache_stats) for p in programs}
     servers: list[Callable[[], contextlib.AbstractContextManager[Server]]] = [lambda: radix_server(engine, model)]
     if vllm_python is not None and vllm_python.exists():

@@ -44,12 +44,16 @@ def test_framework_programs_run_in_process_and_over_http() -> None:
     from radix_backend.bench import framework_http
     from radix_backend.engine import get_engine
 
+    # a framework release whose OpenAI client needs a newer `openai` than the one installed is
+    # skipped by the bench, with the reason
+    runnable = [name for name, make in framework_http.PROGRAMS.items() if make().client_missing() is None]
+    assert len(runnable) >= 4
     rows = framework_http.run(get_engine(), None, list(framework_http.PROGRAMS), 2)
-    assert [r["workload"] for r in rows] == list(framework_http.PROGRAMS)
+    assert [r["workload"] for r in rows] == runnable
     for row in rows:
         assert row["baseline"] == f"{row['workload']} over HTTP to radix-backend serve"
         assert row["radix_s"] > 0 and row["hf_s"] > 0
         if row["workload"] != "dspy":  # DSPy over LiteLLM sends no JSON schema: the server decodes freely
             assert row["agreement"] == "2/2", row
         assert row["cached_tokens"] > 0, row  # each program resends its instructions
-    assert "pydantic-ai" in ab.format_results({r["workload"]: r for r in rows})
+    assert runnable[0] in ab.format_results({r["workload"]: r for r in rows})
