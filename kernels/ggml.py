@@ -3,9 +3,9 @@
 Each quantized type becomes codes with parameters per group of 32 (`q4.GroupCodes`, run by the
 low-bit kernel; Q8_0's signed codes as unsigned codes + 128 with an offset of 128, so a fused q/k/v
 of mixed types stays one chained call), and Q8_0 also 8-bit codes with an fp16 scale per 32
-(`q8.PackedQ8`, the 8-bit kernel); F32, F16 and BF16 tensors are plain floats. The bit layouts follow ggml's block structs (as `gguf.quants`
-reads them); `dequantize` gives the same fp32 values as `gguf.quants.dequantize`, bit for bit
-(tested per type).
+(`q8.PackedQ8`, the 8-bit kernel); F32, F16 and BF16 tensors are plain floats. The bit layouts
+follow ggml's block structs (as `gguf.quants` reads them); `dequantize` gives the same fp32 values
+as `gguf.quants.dequantize`, bit for bit (tested per type).
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ One layout serves GGUF's 4-, 5-, 6- and 8-bit types: per group of 32 input featu
 `scale * code + minimum` (Q4_1, Q5_1, Q4_K, Q5_K) or `scale * (code - offset)` (Q4_0, Q5_0, Q8_0
 with its codes + 128; Q6_K with a scale per 16 features). Codes keep their low 4 bits as nibbles
 in blocks of 16 output rows (one int32 lane each in a 512-bit vector) and, for 5-, 6- and 8-bit
-codes, their upper bits in 1, 2 or 4 bit planes. Scales and minimums stay as the file stores them: fp16 per block of 32 (Q4_0 .. Q5_1),
-or for the K-quants the int8 sub-block scales (and minimums) with one fp16 factor pair per
-super-block of 256, multiplied in the kernel (the products are exact in fp32, as gguf computes
-them); fp32 parameters serve anything else. `kernels/ggml.py` turns a GGUF tensor's blocks into
-`GroupCodes`; `pack` puts them in this layout.
+codes, their upper bits in 1, 2 or 4 bit planes. Scales and minimums stay as the file stores
+them: fp16 per block of 32 (Q4_0 .. Q5_1, Q8_0), or for the K-quants the int8 sub-block scales
+(and minimums) with one fp16 factor pair per super-block of 256, multiplied in the kernel (the
+products are exact in fp32, as gguf computes them); fp32 parameters serve anything else.
+`kernels/ggml.py` turns a GGUF tensor's blocks into `GroupCodes`; `pack` puts them in this layout.
 
 Weights that share an input (q, k and v of mixed types) can be chained (`chain`): one call, their
 outputs side by side.

@@ -298,12 +298,14 @@ class GGUFLinear(nn.Module):
         # VNNI the 8-bit kernel's int16 products serve it faster (SmolLM2's head, one row: 0.71 vs
         # 1.06 ms), elsewhere the low-bit layout does (0.46 vs 0.57 ms with AVX-512 VNNI)
         q8_head_on_8bit_kernel = (len(parts) == 1 and fixed_activation_bits == 16 and native_ok
-                     and native.library().rb_q4_smallest_8bit_code() == 1)
+                                  and native.library().rb_q4_smallest_8bit_code() == 1)
         packed: list[q4.PackedQ4] = []
         for i, (raw, bias) in enumerate(zip(parts, biases)):
             kind = ggml.type_name(raw.ggml_type)
-            codes = ggml.group_codes(raw) if native_ok and raw.ggml_type in ggml.LOW_BIT_TYPES else None
-            if codes is not None and q4.multiplies_exactly(codes) and not (q8_head_on_8bit_kernel and codes.high_bits == 4):
+            low_bit = (native_ok and raw.ggml_type in ggml.LOW_BIT_TYPES
+                       and not (q8_head_on_8bit_kernel and raw.ggml_type == ggml.Q8_0))
+            codes = ggml.group_codes(raw) if low_bit else None
+            if codes is not None and q4.multiplies_exactly(codes):
                 weight = q4.pack(q4.pad_rows(codes), bias=_pad(bias, -raw.rows % q4.Q4_ROWS))
                 self._keep(f"part{i}", weight)
                 packed.append(weight)

@@ -1,8 +1,9 @@
 /* Low-bit weights in the shapes of GGUF's 4-, 5-, 6- and 8-bit types (per group of 32 input
    features: w = scale * code + minimum, or w = scale * (code - offset), with one scale per 16
-   features for Q6_K; Q8_0 as unsigned codes + 128 with offset 128) times fp32 rows, with the activations as integers per group of 32 (q4_matmul.c); used by
-   the decode stack (decode_stack.c) and, through rb_q4_matmul, by the low-bit linears of the torch
-   path. Which GGUF type maps to which fields: kernels/q4.py. */
+   features for Q6_K; Q8_0 as unsigned codes + 128 with offset 128) times fp32 rows, with the
+   activations as integers per group of 32 (q4_matmul.c); used by the decode stack
+   (decode_stack.c) and, through rb_q4_matmul, by the low-bit linears of the torch path. Which
+   GGUF type maps to which fields: kernels/q4.py. */
 #ifndef RB_Q4_H
 #define RB_Q4_H
 #include <stdint.h>
@@ -21,8 +22,8 @@ enum { Q4_PARAMS_F16 = 0, Q4_PARAMS_F32 = 1, Q4_PARAMS_K = 2 };
 /* codes [N / 16, K / 32, 4, 16, 4] bytes: for block b, group g, quad j (0..3), row r, byte k the
    low nibble holds the low 4 bits of feature 4j + k's code and the high nibble those of feature
    16 + 4j + k ("quads" 0..3 and 4..7), so a 64-byte load holds 4 features of all 16 rows.
-   high [N / 16, K / 32, high_bits, 64] (5-, 6- and 8-bit codes): code bits 4.. of quad j sit in byte
-   (r, k) of vector (j * high_bits) / 8 at bit (j * high_bits) % 8.
+   high [N / 16, K / 32, high_bits, 64] (5-, 6- and 8-bit codes): code bits 4.. of quad j sit in
+   byte (r, k) of vector (j * high_bits) / 8 at bit (j * high_bits) % 8.
    params [N / 16, K / 32, S, 16], S per `layout`, in one of three kinds (`params_kind`):
    Q4_PARAMS_F16 (the types that store fp16 per block of 32: exact), Q4_PARAMS_F32, or
    Q4_PARAMS_K: the K-quants' int8 sub-block scales (and minimums), each multiplied by its

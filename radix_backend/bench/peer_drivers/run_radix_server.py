@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import urllib.request
 
 from driver_protocol import main, measure
-from openai_servers import free_port, stop_server, wait_ready
+from openai_servers import free_port, post_command, stop_server, wait_ready
 from run_vllm import completions_wave
 
 
@@ -32,13 +31,8 @@ def run(plan: dict) -> dict:
     try:
         ready_s = wait_ready(base, proc)
 
-        def reset_cache() -> None:
-            request = urllib.request.Request(f"{base}/flush_cache", data=b"", method="POST")
-            with urllib.request.urlopen(request, timeout=60) as response:
-                if response.status != 200:
-                    raise RuntimeError(f"/flush_cache answered {response.status}")
-
-        result = measure(plan, completions_wave(base), reset_cache, "radix-backend serve")
+        result = measure(plan, completions_wave(base), lambda: post_command(f"{base}/flush_cache"),
+                         "radix-backend serve")
         result["startup_s"] = ready_s
         args = ", ".join(f"{k}={v}" for k, v in plan.get("radix_engine_args", {}).items()) or "defaults"
         result["version"] = f"radix-backend serve ({args}, OpenAI server)"
