@@ -66,6 +66,34 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True)
+class ScoreMask:
+    """What a layer's attention adds to plain causal attention; None fields are off."""
+
+    window: int | None = None  # a query sees its last `window` keys, itself included
+    softcap: float | None = None  # scores -> softcap * tanh(score / softcap), before the mask
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {self.window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"attention softcap must be > 0, got {self.softcap}")
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None
+
+    def changes(self, meta: AttentionMetadata) -> bool:
+        """Whether this batch attends differently from plain causal attention (a window no
+        sequence outgrows changes nothing)."""
+        if self.softcap is not None:
+            return True
+        return self.window is not None and max(meta.seq_lens_cpu, default=0) > self.window
+
+
+PLAIN = ScoreMask()
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer of a ragged batch over the paged KV cache."""
 
@@ -89,10 +117,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                mask: ScoreMask = PLAIN) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens; k_cache/v_cache [slots, Hkv, D].
 
-        Writes k/v into the cache at meta.out_slots, then returns attention output [T, Hq, D].
+        Writes k/v into the cache at meta.out_slots, then returns attention output [T, Hq, D]
+        under the layer's `mask` (a sliding window, soft-capped scores; see masked_attention.py).
         """
 
     @staticmethod

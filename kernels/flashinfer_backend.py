@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .attention_base import AttentionBackend, AttentionMetadata
+from .attention_base import PLAIN, AttentionBackend, AttentionMetadata, ScoreMask
+from .masked_attention import masked_attention
 
 INSTALL_HINT = "pip install flashinfer-python  (needs an NVIDIA GPU; see https://docs.flashinfer.ai/installation.html)"
 
@@ -196,8 +197,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         rows = cache.shape[0] // self.page_size * self.page_size
         return cache[:rows].view(-1, self.page_size, cache.shape[1], cache.shape[2])
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                mask: ScoreMask = PLAIN) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
+        if mask.changes(meta):  # a sliding window or soft-capped scores: the plain-torch path
+            return masked_attention(q, k_cache, v_cache, meta, scale, mask)
         plan = self._ensure_planned(meta, q, k_cache, scale)
         kv = (self.paged_view(k_cache), self.paged_view(v_cache))
         q = q.contiguous()

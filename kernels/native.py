@@ -46,6 +46,8 @@ _SIGNATURES = {
     "rb_decode_attention_invariant": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
     "rb_extend_attention": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _P, _P, _I],
                             ctypes.c_int),
+    "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _P, _P,
+                                    _I], ctypes.c_int),
     "rb_add_rms_norm": ([_P, _P, _P, _I, _I, _F, _P, _P], None),
     "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
     "rb_silu_and_mul": ([_P, _I, _I, _P], None),
@@ -239,11 +241,14 @@ def extend_attention_dim_ok(dim: int) -> bool:
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      q_starts: torch.Tensor, q_lens: torch.Tensor, kv_starts: torch.Tensor, kv_lens: torch.Tensor,
                      scale: float, causal: bool = True, with_lse: bool = False,
-                     threads: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     threads: int = 1, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Many query rows per request over its keys, read from the pool in place. Request b owns q rows
     [q_starts[b], + q_lens[b]) and keys at `kv_indices[kv_starts[b] : + kv_lens[b]]`; causal: its
-    new token i sees its first kv_lens[b] - q_lens[b] + i + 1 keys. q [T, Hq, D]; caches
-    [slots, Hkv, D]; int64 index tensors; returns (out [T, Hq, D], lse [T, Hq] or None)."""
+    new token i sees its first kv_lens[b] - q_lens[b] + i + 1 keys (with a sliding `window`, only
+    the last `window` of those). q [T, Hq, D]; caches [slots, Hkv, D]; int64 index tensors; returns
+    (out [T, Hq, D], lse [T, Hq] or None)."""
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window needs causal attention and window >= 1, got window={window!r}")
     hq, hkv = _check_attention(q, k_cache, v_cache)
     tokens, _, dim = q.shape
     batch = q_starts.numel()
@@ -258,10 +263,10 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(tokens, hq, dtype=torch.float32) if with_lse else None
-    rc = library().rb_extend_attention(
+    rc = library().rb_extend_attention_window(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), q_starts.data_ptr(),
         q_lens.data_ptr(), kv_starts.data_ptr(), kv_lens.data_ptr(), len(q_lens), hkv, hq // hkv, dim, scale,
-        int(causal), out.data_ptr(), _ptr(lse), threads)
+        int(causal), window or 0, out.data_ptr(), _ptr(lse), threads)
     if rc == -2:
         raise ValueError(f"extend attention needs a head size that is a multiple of 16, got {dim}")
     if rc != 0:

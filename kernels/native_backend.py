@@ -17,7 +17,7 @@ import torch
 
 from . import native, settings
 from . import shared_prefix as sp
-from .attention_base import AttentionMetadata
+from .attention_base import AttentionMetadata, ScoreMask
 from .torch_backend import Plan, TorchAttentionBackend
 
 # Native decode steps over at least this many keys in all split their requests over the intra-op
@@ -42,6 +42,11 @@ class NativePlan(Plan):
 
 class NativeCPUAttentionBackend(TorchAttentionBackend):
     name = "native"
+
+    def __init__(self, share_prefixes: bool = True) -> None:
+        super().__init__(share_prefixes)
+        self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `_window_slots` of one forward
+        self._windows_meta: AttentionMetadata | None = None
 
     def native_decode_slots(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         plan = self._plan
@@ -97,6 +102,41 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
         hkv = k_cache.shape[1]
         out, lse = out.view(tokens, hkv, hq // hkv, dim), lse.view(tokens, hkv, hq // hkv, 1)
         return self._merge_shared(q, out, lse, k_cache, v_cache, plan, scale)
+
+    def _attend_masked(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                       mask: ScoreMask) -> torch.Tensor:
+        """A sliding window alone runs on the native kernels: a decode row reads only its last
+        `window` keys, an extend masks the keys before each row's window. Soft-capped scores (or
+        what the kernels cannot read) take the plain-torch path."""
+        if mask.softcap is not None or not (self._reads_slot_table(meta) and native.supports(q, k_cache, v_cache)
+                                            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return super()._attend_masked(q, k_cache, v_cache, meta, scale, mask)
+        window = mask.window
+        if not meta.is_decode:
+            if not native.extend_attention_dim_ok(q.shape[-1]):
+                return super()._attend_masked(q, k_cache, v_cache, meta, scale, mask)
+            out, _ = native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1],
+                                             meta.extend_lens, meta.kv_indptr[:-1], meta.seq_lens, scale,
+                                             causal=True, threads=torch.get_num_threads(), window=window)
+            return out
+        starts, lens = self._window_slots(meta, window)
+        threads = torch.get_num_threads() if int(lens.sum()) >= NATIVE_THREADED_KEYS else 1
+        out, _ = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, starts, lens, scale, threads=threads)
+        return out
+
+    def _window_slots(self, meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(starts, lens) into meta.kv_indices of each decode row's last `window` keys, made once
+        per forward and window (every sliding layer of a step shares them)."""
+        cached = self._windows.get(window) if self._windows_meta is meta else None
+        if cached is None:
+            if self._windows_meta is not meta:
+                self._windows, self._windows_meta = {}, meta
+            seq = meta.seq_lens_cpu
+            lens = [min(n, window) for n in seq]
+            starts = [end - n for end, n in zip(meta.kv_indptr[1:].tolist(), lens)]
+            cached = self._windows[window] = (torch.tensor(starts, dtype=torch.int64),
+                                              torch.tensor(lens, dtype=torch.int64))
+        return cached
 
     def _shared_prefix_attention(self, qr, k_cache, v_cache, group: sp.SharedPrefix, plan: Plan, scale: float):
         """The group's queries as one request that sees all of the prefix (not causal), through the

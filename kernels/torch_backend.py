@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from . import settings
 from . import shared_prefix as sp
-from .attention_base import AttentionBackend, AttentionMetadata
+from .attention_base import PLAIN, AttentionBackend, AttentionMetadata, ScoreMask
 from .decode_kv import DecodeKVBuffer
+from .masked_attention import masked_attention
 
 # Pad ragged requests into one batched product while the padded work is at most this many times
 # the real work; beyond it, one product per request is cheaper.
@@ -81,8 +82,11 @@ class TorchAttentionBackend(AttentionBackend):
         """Decode steps that gather enough K/V for the buffer to pay for its extra small ops."""
         return meta.is_decode and plan.key_slots is not None and plan.key_slots.numel() >= self.min_buffered_keys
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                mask: ScoreMask = PLAIN) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
+        if mask.changes(meta):
+            return self._attend_masked(q, k_cache, v_cache, meta, scale, mask)
         planned = self._plan_meta is meta
         plan = self._plan if planned else self._build_plan(meta)
         return self._attend(q, k, v, k_cache, v_cache, meta, plan, planned, scale)
@@ -103,6 +107,12 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             out, lse = self._per_request(q, k_cache, v_cache, meta, plan, scale, with_lse=True)
         return self._merge_shared(q, out, lse, k_cache, v_cache, plan, scale)
+
+    def _attend_masked(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                       mask: ScoreMask) -> torch.Tensor:
+        """A sliding window or soft-capped scores: the plain-torch path (native_backend.py takes
+        the window alone in its kernels)."""
+        return masked_attention(q, k_cache, v_cache, meta, scale, mask)
 
     def _merge_shared(self, q, out, lse, k_cache, v_cache, plan: Plan, scale: float) -> torch.Tensor:
         """Attend each group's queries over its shared prefix once and merge that into `out`

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_base import AttentionBackend, AttentionMetadata
+from .attention_base import PLAIN, AttentionBackend, AttentionMetadata, ScoreMask
+from .masked_attention import masked_attention
 from .triton_decode import decode_attention, decode_workspace, default_num_kv_splits
 from .triton_extend import ExtendConfig, extend_attention
 from .triton_invariant import invariant_attention
@@ -59,8 +60,11 @@ class TritonAttentionBackend(AttentionBackend):
                 plan.workspace = decode_workspace(bsz, hq, dim, plan.num_kv_splits, q.device)
         return plan
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                mask: ScoreMask = PLAIN) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
+        if mask.changes(meta):  # a sliding window or soft-capped scores: the plain-torch path
+            return masked_attention(q, k_cache, v_cache, meta, scale, mask)
         if self.batch_invariant:
             return invariant_attention(q, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
                                        self._plan_for(meta).max_extend_len, scale)

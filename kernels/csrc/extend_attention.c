@@ -61,6 +61,7 @@ typedef struct {
     const int64_t *kv_indices, *q_starts, *q_lens, *kv_starts, *kv_lens;
     int64_t batch, hkv, group, dim, positions_per_tile, tasks;
     int causal;
+    int64_t window; /* > 0: a causal row sees only its last `window` keys (itself included) */
     float scale;
     float *out, *lse;
     const int64_t *task_first; /* [batch + 1]: first task id of each request */
@@ -76,6 +77,7 @@ typedef struct {
     float *o_t;     /* [D][rows]: output accumulators */
     float *max, *sum, *limit, *corr; /* [rows]: running max and sum; keys visible to the row (as a
                                         float); the block's rescale factor */
+    float *lower;   /* [rows]: the row's first visible key (0 without a window), as a float */
     const float **keys, **values; /* [BLOCK_KEYS]: the block's rows in the pool */
 } tile_scratch;
 
@@ -146,22 +148,27 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
     const int64_t used = count * G, rows = tile_rows(count, G);
     const int64_t L = a->kv_lens[b], offset = L - a->q_lens[b];
     const int64_t *slots = a->kv_indices + a->kv_starts[b];
-    int64_t keys_end = 0;
+    int64_t keys_end = 0, keys_begin = L;
     for (int64_t r = 0; r < rows; r++) { /* row r = position first + r / G, query head h * G + r % G */
         if (r < used) {
             const float *src = a->q + ((a->q_starts[b] + first + r / G) * Hq + h * G + r % G) * D;
             for (int64_t d = 0; d < D; d++) t->q_t[d * rows + r] = src[d] * a->scale;
             t->limit[r] = (float)(a->causal ? offset + first + r / G + 1 : L);
+            const int64_t lower = a->causal && a->window > 0 ? (int64_t)t->limit[r] - a->window : 0;
+            t->lower[r] = (float)(lower > 0 ? lower : 0);
         } else { /* padding: the last real row's keys (never empty, no extra blocks), never written out */
             for (int64_t d = 0; d < D; d++) t->q_t[d * rows + r] = 0.f;
             t->limit[r] = t->limit[used - 1];
+            t->lower[r] = t->lower[used - 1];
         }
         keys_end = (int64_t)t->limit[r] > keys_end ? (int64_t)t->limit[r] : keys_end;
+        keys_begin = (int64_t)t->lower[r] < keys_begin ? (int64_t)t->lower[r] : keys_begin;
         t->max[r] = -INFINITY;
         t->sum[r] = 0.f;
     }
     memset(t->o_t, 0, sizeof(float) * rows * D);
-    for (int64_t j0 = 0; j0 < keys_end; j0 += BLOCK_KEYS) {
+    /* blocks before every row's window would add exact zeros: skipped, keeping the block grid */
+    for (int64_t j0 = keys_begin / BLOCK_KEYS * BLOCK_KEYS; j0 < keys_end; j0 += BLOCK_KEYS) {
         const int64_t n = keys_end - j0 < BLOCK_KEYS ? keys_end - j0 : BLOCK_KEYS;
         const int64_t padded_keys = (n + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
         for (int64_t j = 0; j < padded_keys; j++) { /* the block's tail repeats its last key, masked below */
@@ -172,12 +179,14 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
         for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
         /* online softmax, vectorized across rows: new max, rescale factor, probabilities */
         vec *restrict mx = (vec *)t->max, *restrict sm = (vec *)t->sum, *restrict corr = (vec *)t->corr;
-        const vec *restrict lim = (const vec *)t->limit, none = (vec){0} - INFINITY;
+        const vec *restrict lim = (const vec *)t->limit, *restrict low = (const vec *)t->lower;
+        const vec none = (vec){0} - INFINITY;
         const int64_t row_vecs = rows / VEC;
         for (int64_t u = 0; u < row_vecs; u++) corr[u] = mx[u];
         for (int64_t j = 0; j < n; j++) {
             const vec *s = (const vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
-            for (int64_t u = 0; u < row_vecs; u++) mx[u] = select_vec((key < lim[u]) & (s[u] > mx[u]), s[u], mx[u]);
+            for (int64_t u = 0; u < row_vecs; u++)
+                mx[u] = select_vec((key >= low[u]) & (key < lim[u]) & (s[u] > mx[u]), s[u], mx[u]);
         }
         for (int64_t u = 0; u < row_vecs; u++) {
             corr[u] = select_vec(corr[u] == none, (vec){0}, exp_vec(corr[u] - mx[u]));
@@ -186,7 +195,8 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
         for (int64_t j = 0; j < padded_keys; j++) {
             vec *s = (vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
             for (int64_t u = 0; u < row_vecs; u++) {
-                const vec p = j < n ? select_vec(key < lim[u], exp_vec(s[u] - mx[u]), (vec){0}) : (vec){0};
+                const vec p = j < n ? select_vec((key >= low[u]) & (key < lim[u]), exp_vec(s[u] - mx[u]), (vec){0})
+                                    : (vec){0};
                 s[u] = p;
                 sm[u] += p;
             }
@@ -217,8 +227,8 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
     const int64_t D = a->dim, rows = tile_rows(a->positions_per_tile, a->group);
     tile_scratch t = {aligned_floats(D * rows), aligned_floats(BLOCK_KEYS * rows), aligned_floats(D * rows),
                       aligned_floats(rows), aligned_floats(rows), aligned_floats(rows), aligned_floats(rows),
-                      malloc(sizeof(float *) * BLOCK_KEYS), malloc(sizeof(float *) * BLOCK_KEYS)};
-    if (t.q_t && t.s_t && t.o_t && t.max && t.sum && t.limit && t.corr && t.keys && t.values) {
+                      aligned_floats(rows), malloc(sizeof(float *) * BLOCK_KEYS), malloc(sizeof(float *) * BLOCK_KEYS)};
+    if (t.q_t && t.s_t && t.o_t && t.max && t.sum && t.limit && t.corr && t.lower && t.keys && t.values) {
         int64_t task;
         while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
             const int64_t id = a->tasks - 1 - task; /* the last tiles of a request see the most keys */
@@ -231,14 +241,14 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
     } else {
         a->failed = 1;
     }
-    free(t.q_t), free(t.s_t), free(t.o_t), free(t.max), free(t.sum), free(t.limit), free(t.corr);
+    free(t.q_t), free(t.s_t), free(t.o_t), free(t.max), free(t.sum), free(t.limit), free(t.corr), free(t.lower);
     free(t.keys), free(t.values);
 }
 
 static int attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
                   const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts, const int64_t *kv_lens,
-                  int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, int causal, float *out,
-                  float *lse, int64_t threads, int64_t per_tile) {
+                  int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, int causal,
+                  int64_t window, float *out, float *lse, int64_t threads, int64_t per_tile) {
     if (dim % 16 != 0) return -2; /* a multiple of KEY_GROUP */
     int64_t *task_first = malloc(sizeof(int64_t) * (batch + 1));
     if (!task_first) return -1;
@@ -246,7 +256,7 @@ static int attend(const float *q, const float *k_cache, const float *v_cache, co
     for (int64_t b = 0; b < batch; b++)
         task_first[b + 1] = task_first[b] + (q_lens[b] + per_tile - 1) / per_tile * hkv;
     extend_job job = {q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch, hkv, group,
-                      dim, per_tile, task_first[batch], causal, scale, out, lse, task_first, 0, 0};
+                      dim, per_tile, task_first[batch], causal, window, scale, out, lse, task_first, 0, 0};
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(extend_part, &job, threads < 1 ? 1 : threads);
     free(task_first);
@@ -266,9 +276,21 @@ int rb_extend_attention(const float *q, const float *k_cache, const float *v_cac
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts,
                         const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,
                         float scale, int causal, float *out, float *lse, int64_t threads) {
+    return rb_extend_attention_window(q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch,
+                                      hkv, group, dim, scale, causal, 0, out, lse, threads);
+}
+
+/* The same with a sliding window (`window` > 0, causal only): new token i of request b, at key
+   position p = kv_lens[b] - q_lens[b] + i, sees keys [max(0, p - window + 1), p] (HF's sliding-window
+   mask). Key blocks stay on the request's grid of BLOCK_KEYS, so rows keep the bits above. */
+int rb_extend_attention_window(const float *q, const float *k_cache, const float *v_cache,
+                               const int64_t *kv_indices, const int64_t *q_starts, const int64_t *q_lens,
+                               const int64_t *kv_starts, const int64_t *kv_lens, int64_t batch, int64_t hkv,
+                               int64_t group, int64_t dim, float scale, int causal, int64_t window, float *out,
+                               float *lse, int64_t threads) {
     const int64_t per_tile = TILE_ROWS / group;
     return attend(q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch, hkv, group, dim,
-                  scale, causal, out, lse, threads, per_tile < 1 ? 1 : per_tile);
+                  scale, causal, window, out, lse, threads, per_tile < 1 ? 1 : per_tile);
 }
 
 /* ---- decode: one query row per request, the same sums with keys as vector lanes ------------------
@@ -364,7 +386,7 @@ int rb_decode_attention_invariant(const float *q, const float *k_cache, const fl
                               float *lse, int64_t threads) {
     if (dim % 16 != 0) return -2;
     extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
-                      dim, 1, batch * hkv, 0, scale, out, lse, NULL, 0, 0};
+                      dim, 1, batch * hkv, 0, 0, scale, out, lse, NULL, 0, 0};
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(decode_part, &job, threads < 1 ? 1 : threads);
     return job.failed ? -1 : 0;
