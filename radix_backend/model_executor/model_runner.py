@@ -128,8 +128,14 @@ class ModelRunner:
             raise
         self.graph_runner = None
         cuda_graph = config.cuda_graph
+        masked = _masked_layers(self.model)
+        if cuda_graph and masked:
+            self.shutdown()
+            raise ValueError("cuda_graph=True cannot capture this model: its sliding-window or soft-capped "
+                             "attention layers plan each step from the sequences' lengths; leave cuda_graph unset")
         if cuda_graph is None:  # auto: hide Triton's launch overhead on CUDA
-            cuda_graph = self.device.type == "cuda" and self.attention_backend.name == "triton" and self.tp is None
+            cuda_graph = (self.device.type == "cuda" and self.attention_backend.name == "triton" and self.tp is None
+                          and not masked)
         with settings.active(self.kernel_settings):
             if cuda_graph:
                 self._init_graph_runner(config.max_running_requests)
@@ -188,7 +194,8 @@ class ModelRunner:
         process, no low-bit linear off our native kernels, and either every op on our native CPU
         kernels (fp32, a head size the extend kernel takes) or, on a GPU, Triton attention (its
         invariant kernel) and Triton layer ops (with the fixed-configuration matmul)."""
-        if not (settings.current().batch_invariant and self.tp is None and quant.low_bit_linears_run_natively(self.model)):
+        if not (settings.current().batch_invariant and self.tp is None and quant.low_bit_linears_run_natively(self.model)
+                and not _masked_layers(self.model)):  # a windowed decode row reads fewer key blocks than its extend
             return False
         if self.device.type == "cuda":
             return attention == "triton" and layer_ops == "triton" and self.attention_backend.batch_invariant
@@ -276,3 +283,8 @@ class ModelRunner:
         """Stop tensor-parallel workers, if any (a no-op for one process)."""
         if self.tp is not None:
             self.tp.shutdown()
+
+
+def _masked_layers(model: torch.nn.Module) -> bool:
+    """Whether any attention layer has a sliding window or soft-capped scores."""
+    return any(not layer.self_attn.mask.plain for layer in model.layers)

@@ -5,11 +5,10 @@ inference (metadata, token ids, dropout, init scales), or refused here by name: 
 config asks for math this decoder does not do (a GELU MLP, dynamic or long-context RoPE, a
 quantization scheme, an unknown switch that is on) fails to load instead of running silently wrong.
 
-A sliding window is honoured exactly by limiting the context to it: HF's sliding-window mask lets
-a query see the last `sliding_window` positions, so while no sequence is longer than the window,
-full causal attention is the same computation. LongRoPE likewise: HF rotates with its short factors
-up to `original_max_position_embeddings` and switches to the long ones beyond, so the context is
-capped there. Longer requests get the usual context-length error.
+A sliding window is honoured per layer (`layer_windows`; the attention backends apply it, see
+kernels/masked_attention.py). LongRoPE is honoured by limiting the context: HF rotates with its
+short factors up to `original_max_position_embeddings` and switches to the long ones beyond, so
+the context is capped there. Longer requests get the usual context-length error.
 """
 
 from __future__ import annotations
@@ -50,12 +49,33 @@ REFUSED = {"quantization_config": "a quantized checkpoint (GPTQ, AWQ, bitsandbyt
                                   "use the fp16/bf16 checkpoint or a GGUF file"}
 
 
+# The layer kinds of HF's `layer_types` the decoder implements.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     """What the config means for serving: the longest sequence, and what capped it (if anything)."""
 
     context_length: int
-    capped_by: str | None = None  # "sliding window" or "longrope short factors"
+    capped_by: str | None = None  # "longrope short factors"
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as HF's modeling code reads the config:
+    per `layer_types` where the config has them (Qwen2/Qwen3's `use_sliding_window` and
+    `max_window_layers` become those, Gemma's interleaving too), else one window on every layer
+    (Mistral, Phi-3)."""
+    layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [int(window) if kind == "sliding_attention" else None for kind in types]
+    if config.model_type in ("mistral", "phi3"):
+        return [int(window)] * layers
+    return [None] * layers
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -88,6 +108,9 @@ def check_model_config(config: Any) -> ModelLimits:
         problems.append(f"rope_type={kind!r} (implemented: {', '.join(STATIC_ROPE + SHORT_CONTEXT_ROPE)})")
     if fields.get("mlp_bias") and fields.get("model_type") not in ("llama", "granite"):
         problems.append("mlp_bias (implemented for llama and granite only)")
+    odd_layers = sorted(set(fields.get("layer_types") or []) - set(LAYER_TYPES))
+    if odd_layers:
+        problems.append(f"layer_types {odd_layers} (implemented: {', '.join(LAYER_TYPES)})")
     unknown = sorted(name for name, value in fields.items()
                      if name not in HONOURED and name not in HARMLESS and name not in REFUSED and value
                      not in (None, False, 0, "", [], {}))
@@ -101,14 +124,10 @@ def check_model_config(config: Any) -> ModelLimits:
 
 
 def model_limits(fields: dict[str, Any], rope: dict[str, Any]) -> ModelLimits:
-    """The context length, capped where the full computation equals the model's own only up to a
-    length: a sliding window shorter than the context, LongRoPE's short-factor range."""
+    """The context length, capped where the computation equals the model's own only up to a
+    length: LongRoPE's short-factor range."""
     context = int(fields["max_position_embeddings"])
     limits = ModelLimits(context)
-    window = fields.get("sliding_window")
-    sliding = fields.get("model_type") in ("mistral", "phi3") or "sliding_attention" in (fields.get("layer_types") or [])
-    if sliding and window and int(window) < limits.context_length:
-        limits = ModelLimits(int(window), "sliding window")
     if rope_kind(rope) in SHORT_CONTEXT_ROPE:
         original = int(rope.get("original_max_position_embeddings") or fields.get("original_max_position_embeddings")
                        or context)

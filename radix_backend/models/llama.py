@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from radix_backend.kernels import ops, quant, settings
-from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
+from radix_backend.kernels.attention_base import PLAIN, AttentionBackend, AttentionMetadata, ScoreMask
 from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights, NativeWeight
 from radix_backend.kernels.q4 import DenseWeight
 
-from .config_check import rope_kind, rope_parameters
+from .config_check import layer_windows, rope_kind, rope_parameters
 
 # Decode steps of up to this many tokens run the whole stack in one native call when the model
 # has one (`build_decode_stack`). With the native 4-bit matmul serving every batch size (8-bit
@@ -151,6 +151,8 @@ class Attention(nn.Module):
         # Granite sets the attention scale itself and scales each block's output before the residual add
         self.scale = float(config.attention_multiplier) if config.model_type == "granite" else self.head_dim ** -0.5
         self.out_scale = residual_multiplier(config)
+        window = layer_windows(config)[layer_id]
+        self.mask = PLAIN if window is None else ScoreMask(window=window)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
@@ -163,7 +165,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = ops.apply_rotary(q, k, positions, cos_sin)
-        out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        out = backend.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.mask)
         out = self.o_proj(out.reshape(n, self.q_size))
         if self.out_scale != 1.0:
             out = out * self.out_scale
@@ -261,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
         stack = self.decode_stack
-        if (stack is not None and input_ids.shape[0] <= stack.max_tokens
+        if (stack is not None and input_ids.shape[0] <= stack.max_tokens and not self._windowed(meta)
                 and (slots := backend.native_decode_slots(meta)) is not None and stack.bind(kv_caches)):
             threads = self.head_threads or torch.get_num_threads()  # the step's thread budget
             hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads,
@@ -282,6 +284,11 @@ class LlamaForCausalLM(nn.Module):
             return self._lm_head(hidden)
         finally:
             torch.set_num_threads(threads)
+
+    def _windowed(self, meta: AttentionMetadata) -> bool:
+        """Whether a layer's sliding window cuts into this batch (the decode stack attends whole
+        contexts)."""
+        return any(layer.self_attn.mask.changes(meta) for layer in self.layers)
 
     def build_decode_stack(self) -> bool:
         """Let small decode steps run every layer in one native call (kernels/decode_stack.py):

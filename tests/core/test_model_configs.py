@@ -11,8 +11,8 @@ import pytest
 from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from radix_backend import Engine, SamplingParams
-from radix_backend.errors import InvalidRequestError, ModelLoadError
-from radix_backend.models.config_check import HARMLESS, HONOURED, ModelLimits, check_model_config
+from radix_backend.errors import ModelLoadError
+from radix_backend.models.config_check import HARMLESS, HONOURED, ModelLimits, check_model_config, layer_windows
 
 from conftest import TINY_LONGROPE_ORIGINAL, TINY_WINDOW
 
@@ -46,17 +46,24 @@ def test_harmless_and_unset_unknown_fields_load():
     assert check_model_config(config).capped_by is None
 
 
-def test_sliding_window_and_longrope_cap_the_context_exactly_where_shorter():
-    assert check_model_config(MistralConfig(sliding_window=4096)) == ModelLimits(4096, "sliding window")
-    assert check_model_config(MistralConfig(sliding_window=None)).capped_by is None
-    assert check_model_config(Phi3Config(sliding_window=2047)).context_length == 2047
+def test_sliding_windows_are_per_layer_and_longrope_caps_the_context():
+    assert layer_windows(MistralConfig(sliding_window=4096, num_hidden_layers=2)) == [4096, 4096]
+    assert check_model_config(MistralConfig(sliding_window=4096)).capped_by is None  # honoured, not capped
+    assert layer_windows(MistralConfig(sliding_window=None, num_hidden_layers=2)) == [None, None]
+    assert layer_windows(Phi3Config(sliding_window=2047, num_hidden_layers=1)) == [2047]
+    qwen = Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=3)
+    assert layer_windows(qwen) == [None, 64, 64]  # HF: layers from max_window_layers on slide
+    assert layer_windows(Qwen2Config(sliding_window=64, num_hidden_layers=2)) == [None, None]
+    assert layer_windows(LlamaConfig(num_hidden_layers=2)) == [None, None]
     longrope = Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096,
                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48})
     assert check_model_config(longrope) == ModelLimits(4096, "longrope short factors")
-    qwen = Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1, num_hidden_layers=2)
-    assert check_model_config(qwen).context_length == 64
-    assert check_model_config(Qwen2Config(sliding_window=64)).context_length == Qwen2Config().max_position_embeddings
-    assert check_model_config(MistralConfig(sliding_window=10 ** 9)).capped_by is None  # longer than context
+
+
+def test_unknown_layer_types_are_refused():
+    config = Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"])
+    with pytest.raises(ModelLoadError, match="chunked_attention"):
+        check_model_config(config)
 
 
 def test_engine_refuses_a_gelu_checkpoint_before_reading_weights(tiny_llama_dir, tmp_path):
@@ -70,25 +77,21 @@ def test_engine_refuses_a_gelu_checkpoint_before_reading_weights(tiny_llama_dir,
         Engine(str(bad), kv_cache_tokens=1024, device="cpu")
 
 
-def test_sliding_window_model_serves_its_window_and_refuses_longer(tiny_mistral_window_dir: Path):
+def test_sliding_window_model_serves_past_its_window_like_hf(tiny_mistral_window_dir: Path):
+    """Prompts longer than the window: greedy tokens equal HF's; a cached prefix longer than the
+    window, chunked prefill and the native kernels' window give the same tokens as a cold run."""
+    from test_models import hf_greedy
+
+    prompt = "one two three four five six seven eight nine ten " * 15
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     with Engine(str(tiny_mistral_window_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as engine:
-        assert engine.context_length == TINY_WINDOW
-        long_prompt = "one two three four five six seven eight nine ten " * 8
-        assert len(engine.encode(long_prompt)) > TINY_WINDOW
-        with pytest.raises(InvalidRequestError, match=str(TINY_WINDOW)):
-            engine.generate(long_prompt, SamplingParams(max_new_tokens=4))
-
-
-def test_longrope_model_serves_its_short_factor_range(tiny_phi4_dir: Path):
-    with Engine(str(tiny_phi4_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as engine:
-        assert engine.context_length == TINY_LONGROPE_ORIGINAL
-        assert engine.runner.model.cos_sin_cache.shape[-1] == 12  # 3/4 of the 16-dim heads rotate
-        assert engine.runner.model.decode_stack is None  # the native stack rotates whole heads only
-
-
-def test_the_embedded_models_hf_directory_passes_its_own_check(smollm2_hf_dir: str) -> None:
-    """transformers writes the GGUF's name as `_model_name_or_path`: bookkeeping, not a refusal."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(smollm2_hf_dir)
-    assert check_model_config(config).context_length == 8192
+        ids = engine.encode(prompt)
+        assert len(ids) > 2 * TINY_WINDOW
+        cold = engine.generate(prompt, params)
+        assert cold.token_ids == hf_greedy(tiny_mistral_window_dir, ids, 12)
+        warm = engine.generate(prompt + " eleven", params)  # extends a cached prefix > window
+        assert warm.meta.cached_tokens > TINY_WINDOW
+    with Engine(str(tiny_mistral_window_dir), kv_cache_tokens=4096, device="cpu", dtype="float32",
+                chunked_prefill_tokens=48, attention_backend="torch") as chunked:
+        assert chunked.generate(prompt, params).token_ids == cold.token_ids
+        assert chunked.generate(prompt + " eleven", params).token_ids == warm.token_ids
