@@ -124,6 +124,15 @@ def silu_and_mul(x: torch.Tensor, fp32_math: bool = False) -> torch.Tensor:
     return silu_and_mul_torch(x)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2d] = cat(gate, up) -> gelu_tanh(gate) * up, shape [..., d] (Gemma's GeGLU, HF's
+    `gelu_pytorch_tanh`), in x's dtype as HF computes it."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"gelu_tanh_and_mul needs an even last dim (gate and up halves), got {x.shape[-1]}")
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE. q [T, Hq, D], k [T, Hkv, D], positions [T] int; returns new (q, k).

@@ -214,6 +214,62 @@ def tiny_phi4_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -
     return _save_tiny(Phi3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_phi4"))
 
 
+TINY_GEMMA_WINDOW = 16  # the sliding window of the tiny Gemma 2/3 models' local layers
+
+
+def _save_tiny_gemma(model_cls, config, tokenizer, directory: Path) -> Path:
+    """As `_save_tiny`, with the norm weights drawn at random: HF initialises Gemma's (1 + w) norms at
+    w = 0, which would hide a missing or doubled offset."""
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Gemma (1): GeGLU, (1 + w) norms, scaled embeddings, head_dim 32."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(**TINY_COMMON, head_dim=32, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                         **_token_ids(smollm2_tokenizer))
+    return _save_tiny_gemma(GemmaForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 4-layer Gemma 2: local/global layers (window 16), soft-capped attention scores
+    and logits (caps small enough to bend random scores), sandwich norms, query_pre_attn_scalar."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    common = {**TINY_COMMON, "num_hidden_layers": 4}
+    config = Gemma2Config(**common, head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_GEMMA_WINDOW,
+                          attn_logit_softcapping=3.0, final_logit_softcapping=5.0, rms_norm_eps=1e-6,
+                          **_token_ids(smollm2_tokenizer))
+    return _save_tiny_gemma(Gemma2ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 4-layer Gemma 3 (text): q/k norms, local layers with their own RoPE base and
+    a global one with linear RoPE scaling, window 16."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    common = {**TINY_COMMON, "num_hidden_layers": 4}
+    config = Gemma3TextConfig(
+        **common, head_dim=32, query_pre_attn_scalar=32, sliding_window=TINY_GEMMA_WINDOW, rms_norm_eps=1e-6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}},
+        **_token_ids(smollm2_tokenizer))
+    return _save_tiny_gemma(Gemma3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma3"))
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir: Path):
     """An fp32 CPU engine on the tiny Llama, one per test module."""

@@ -37,8 +37,18 @@ HARMLESS = frozenset({
     "embedding_dropout", "hidden_dropout", "mlp_dropout", "decoder_start_token_id", "sep_token_id",
     "task_specific_params", "finetuning_task", "prefix", "cross_attention_hidden_size",
     "add_cross_attention", "tie_encoder_decoder", "pruned_heads", "embd_pdrop", "resid_pdrop",
+    "cache_implementation",  # HF's choice of generation cache class
 })
+# Gemma's fields (models/gemma.py): its GeGLU activation, attention scale, soft-capping of scores and
+# logits, and the older integer form of `layer_types`.
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+GEMMA_HONOURED = frozenset({"hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping",
+                            "attn_logit_softcapping", "use_bidirectional_attention", "_sliding_window_pattern",
+                            "sliding_window_pattern"})
 SILU = ("silu", "swish")
+GELU_TANH = ("gelu_pytorch_tanh",)
+# RoPE kinds Gemma's per-layer-type tables are built for (models/gemma.py).
+GEMMA_ROPE = ("default", "linear")
 # RoPE kinds whose frequencies do not depend on the sequence length (HF's table is built once), and
 # LongRoPE, whose short factors HF uses up to `original_max_position_embeddings` (the context is
 # capped there, see `model_limits`).
@@ -95,24 +105,38 @@ def rope_kind(params: dict[str, Any]) -> str:
     return str(params.get("rope_type", params.get("type", "default")))
 
 
+def rope_by_layer_type(params: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """Gemma 3's RoPE settings per layer type ({"sliding_attention": ..., "full_attention": ...}), or
+    None for one set shared by every layer."""
+    if params and all(key in LAYER_TYPES for key in params):
+        return params
+    return None
+
+
 def check_model_config(config: Any) -> ModelLimits:
     """Raise ModelLoadError naming every field whose value would change the math unimplemented."""
     fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     problems = [f"{name}: {why}" for name, why in REFUSED.items() if fields.get(name)]
-    act = fields.get("hidden_act", "silu")
-    if act not in SILU:
-        problems.append(f"hidden_act={act!r} (only SiLU MLPs are implemented)")
+    gemma = fields.get("model_type") in GEMMA_FAMILIES
+    honoured = HONOURED | GEMMA_HONOURED if gemma else HONOURED
+    act = fields.get("hidden_activation") or fields.get("hidden_act", "silu")
+    if act not in (GELU_TANH if gemma else SILU):
+        problems.append(f"hidden_act={act!r} (implemented: {', '.join(GELU_TANH if gemma else SILU)} for this family)")
     rope = rope_parameters(config)
-    kind = rope_kind(rope)
-    if kind not in STATIC_ROPE + SHORT_CONTEXT_ROPE:
-        problems.append(f"rope_type={kind!r} (implemented: {', '.join(STATIC_ROPE + SHORT_CONTEXT_ROPE)})")
+    per_type = rope_by_layer_type(rope)
+    kinds = {rope_kind(p) for p in per_type.values()} if per_type else {rope_kind(rope)}
+    allowed = GEMMA_ROPE if gemma else STATIC_ROPE + SHORT_CONTEXT_ROPE
+    for kind in sorted(kinds - set(allowed)):
+        problems.append(f"rope_type={kind!r} (implemented: {', '.join(allowed)})")
+    if gemma and fields.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention (an encoder's attention; only causal decoding is implemented)")
     if fields.get("mlp_bias") and fields.get("model_type") not in ("llama", "granite"):
         problems.append("mlp_bias (implemented for llama and granite only)")
     odd_layers = sorted(set(fields.get("layer_types") or []) - set(LAYER_TYPES))
     if odd_layers:
         problems.append(f"layer_types {odd_layers} (implemented: {', '.join(LAYER_TYPES)})")
     unknown = sorted(name for name, value in fields.items()
-                     if name not in HONOURED and name not in HARMLESS and name not in REFUSED and value
+                     if name not in honoured and name not in HARMLESS and name not in REFUSED and value
                      not in (None, False, 0, "", [], {}))
     if unknown:
         problems.append(f"unknown fields that are set: {', '.join(unknown)} (not implemented; the model would "

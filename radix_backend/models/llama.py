@@ -41,7 +41,7 @@ DECODE_STACK_MAX_TOKENS = 64
 # 8: 33 vs 34, 16: 53 vs 41, 32: 88 vs 57. So fp32 models use the stack up to 8 tokens.
 DENSE_DECODE_STACK_MAX_TOKENS = 8
 
-SUPPORTED_ARCHITECTURES = (
+LLAMA_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM",
 )
@@ -221,20 +221,22 @@ class LlamaForCausalLM(nn.Module):
     """The decoder stack; `forward` returns logits only for `logits_indices` rows. With `tp`, this
     rank's shard (see the module docstring); every rank must run every forward together."""
 
+    architectures = LLAMA_ARCHITECTURES
+
     def __init__(self, config, tp: TPShard | None = None) -> None:
         super().__init__()
-        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = (getattr(config, "architectures", None) or [self.architectures[0]])[0]
+        if arch not in self.architectures:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(self.architectures)}")
         self.tp_rank, self.tp_size = (tp.rank, tp.size) if tp is not None else (0, 1)
         check_tp_divisible(config, self.tp_size)
         all_reduce = tp.all_reduce if tp is not None and tp.size > 1 else None
         self.config = config
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.tp_size, all_reduce)
+        self.layers = nn.ModuleList(self.make_layer(config, i, self.tp_size, all_reduce)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.make_norm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         granite = config.model_type == "granite"  # its embedding and logit scales (1 elsewhere)
         self.embedding_multiplier = float(config.embedding_multiplier) if granite else 1.0
@@ -249,6 +251,15 @@ class LlamaForCausalLM(nn.Module):
         # (0: as the caller set). The head is one large matmul, where more threads pay off.
         self.head_threads = 0
         self.decode_stack: DecodeStack | None = None  # set by `build_decode_stack` (native CPU weights)
+
+    @staticmethod
+    def make_layer(config, layer_id: int, tp_size: int, all_reduce: Callable[[torch.Tensor], None] | None) -> nn.Module:
+        """One decoder layer of this family."""
+        return DecoderLayer(config, layer_id, tp_size, all_reduce)
+
+    @staticmethod
+    def make_norm(dim: int, eps: float) -> nn.Module:
+        return RMSNorm(dim, eps)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -273,6 +284,11 @@ class LlamaForCausalLM(nn.Module):
             residual = None
             for layer, kv in zip(self.layers, kv_caches):
                 hidden, residual = layer(hidden, residual, positions, cos_sin, kv, backend, meta)
+        return self.final_logits(hidden, residual, logits_indices)
+
+    def final_logits(self, hidden: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The last layer's output added to the residual stream, normed, through the LM head, at
+        the rows asked for."""
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
         hidden, _ = self.norm(hidden, residual)
@@ -406,6 +422,12 @@ class LlamaForCausalLM(nn.Module):
                 out.update(f"{name}#{i}" for i in range(_FUSED_PARTS[fused]))
         return out
 
+    def reset_rope_tables(self, device: torch.device) -> None:
+        """Rebuild the RoPE tables in fp32 on `device` (after a dtype cast: a bf16 round trip
+        would lose precision)."""
+        self.cos_sin_cache = rope_cos_sin_cache(self.config, self.layers[0].self_attn.head_dim,
+                                                self.config.max_position_embeddings).to(device)
+
 
 def _native_weight(linear: nn.Module) -> NativeWeight | None:
     """The decode stack's form of a linear: its packed low-bit weights, its fp32 weights as they
@@ -420,13 +442,11 @@ def _native_weight(linear: nn.Module) -> NativeWeight | None:
 
 
 def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device,
-                tp: TPShard | None = None) -> LlamaForCausalLM:
+                tp: TPShard | None = None, model_class: type[LlamaForCausalLM] = LlamaForCausalLM) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = model_class(config, tp)
     model = model.to_empty(device=device)
     model.load_weights(weights)
     model = model.to(dtype)
-    # after the dtype cast, so the table stays fp32 (a bf16 round trip would lose precision)
-    model.cos_sin_cache = rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
-                                              config.max_position_embeddings).to(device)
+    model.reset_rope_tables(device)
     return model.eval()

@@ -8,22 +8,26 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import (GemmaConfig, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
+                          Phi3Config, Qwen2Config, Qwen3Config)
 
 from radix_backend import Engine, SamplingParams
 from radix_backend.errors import ModelLoadError
-from radix_backend.models.config_check import HARMLESS, HONOURED, ModelLimits, check_model_config, layer_windows
+from radix_backend.models.config_check import (GEMMA_FAMILIES, GEMMA_HONOURED, HARMLESS, HONOURED, ModelLimits,
+                                               check_model_config, layer_windows)
 
 from conftest import TINY_LONGROPE_ORIGINAL, TINY_WINDOW
 
-FAMILIES = [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, GraniteConfig]
+FAMILIES = [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, GraniteConfig, GemmaConfig, Gemma2Config,
+            Gemma3TextConfig]
 
 
 @pytest.mark.parametrize("config_class", FAMILIES, ids=lambda c: c.__name__)
 def test_every_field_of_a_supported_family_is_classified(config_class):
     """A new transformers field shows up here first: decide whether the decoder honours it."""
-    fields = set(config_class().to_dict())
-    assert fields - HONOURED - HARMLESS == set()
+    config = config_class()
+    honoured = HONOURED | GEMMA_HONOURED if config.model_type in GEMMA_FAMILIES else HONOURED
+    assert set(config.to_dict()) - honoured - HARMLESS == set()
     check_model_config(config_class())  # the defaults load
 
 

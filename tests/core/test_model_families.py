@@ -1,0 +1,81 @@
+"""Families beyond Llama (Gemma 1/2/3): tiny random checkpoints through the engine against HF
+transformers, with prompts longer than the sliding window, chunked and cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from radix_backend import Engine, SamplingParams
+
+from conftest import TINY_GEMMA_WINDOW
+
+FAMILIES = ["tiny_gemma_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]
+PROMPTS = ["Hello, my name is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25",
+           "The quick brown fox jumps over the lazy dog. " * 4]
+NEW = 10
+
+
+def hf_reference(model_dir, prompt_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy tokens and the log-softmax of its logits at each of their positions."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
+    tokens = out[0, len(prompt_ids):].tolist()
+    with torch.no_grad():
+        logits = model(out).logits[0, len(prompt_ids) - 1:-1]
+    return tokens, torch.log_softmax(logits.float(), -1)
+
+
+@pytest.mark.parametrize("fixture", FAMILIES)
+def test_greedy_tokens_and_logprobs_match_hf(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=5)
+    with Engine(str(model_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as engine:
+        outs = engine.generate(PROMPTS, params)
+        assert len(engine.encode(PROMPTS[-1])) > 2 * TINY_GEMMA_WINDOW
+        for prompt, out in zip(PROMPTS, outs):
+            tokens, logprobs = hf_reference(model_dir, engine.encode(prompt))
+            assert out.token_ids == tokens, prompt
+            for step, lp in enumerate(out.logprobs):
+                top_ids = [t for t, _ in lp.top]
+                got = torch.tensor([lp.logprob] + [v for _, v in lp.top])
+                want = logprobs[step, [tokens[step]] + top_ids]
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        again = engine.generate(PROMPTS, params)  # the prompts are now cached: same tokens
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+        assert all(o.meta.cached_tokens > 0 for o in again)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma2_dir", "tiny_gemma3_dir"])
+def test_chunked_prefill_and_a_cached_prefix_past_the_window_give_the_cold_tokens(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    prompt = PROMPTS[-1]
+    params = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+    with Engine(str(model_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as engine:
+        cold = engine.generate([prompt, prompt + " And then"], params)
+    with Engine(str(model_dir), kv_cache_tokens=4096, device="cpu", dtype="float32",
+                chunked_prefill_tokens=20) as chunked:
+        assert chunked.generate(prompt, params).token_ids == cold[0].token_ids
+        warm = chunked.generate(prompt + " And then", params)  # extends a cached prefix > window
+        assert warm.meta.cached_tokens > TINY_GEMMA_WINDOW
+        assert warm.token_ids == cold[1].token_ids
+
+
+def test_gemma_configs_refuse_what_is_not_implemented():
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from radix_backend.errors import ModelLoadError
+    from radix_backend.models.config_check import check_model_config
+
+    check_model_config(Gemma2Config())
+    check_model_config(Gemma3TextConfig())
+    with pytest.raises(ModelLoadError, match="hidden_act='gelu'"):
+        check_model_config(Gemma2Config(hidden_activation="gelu"))
+    with pytest.raises(ModelLoadError, match="use_bidirectional_attention"):
+        check_model_config(Gemma3TextConfig(use_bidirectional_attention=True))
+    yarn = Gemma3TextConfig(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                             "full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                "rope_theta": 1e6}})
+    with pytest.raises(ModelLoadError, match="rope_type='yarn'"):
+        check_model_config(yarn)
