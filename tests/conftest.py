@@ -270,6 +270,42 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer)
     return _save_tiny_gemma(Gemma3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma3"))
 
 
+TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 3-layer Qwen2-MoE: 8 experts (top 2, not renormalised), a sigmoid-gated shared
+    expert, q/k/v biases, layer 1 dense (`mlp_only_layers`)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    common = {**TINY_COMMON, "num_hidden_layers": 3}
+    config = Qwen2MoeConfig(**common, **TINY_MOE, num_experts=8, shared_expert_intermediate_size=96,
+                            norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False,
+                            **_token_ids(smollm2_tokenizer))
+    return _save_tiny(Qwen2MoeForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_qwen2_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Qwen3-MoE: q/k norms, 8 experts, top 2 renormalised (`norm_topk_prob`)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**TINY_COMMON, **TINY_MOE, num_experts=8, norm_topk_prob=True, head_dim=32,
+                            tie_word_embeddings=False, **_token_ids(smollm2_tokenizer))
+    return _save_tiny(Qwen3MoeForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer Mixtral: 4 experts, top 2 renormalised, a sliding window of 32."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**TINY_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+                           tie_word_embeddings=False, **_token_ids(smollm2_tokenizer))
+    return _save_tiny(MixtralForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_mixtral"))
+
+
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_llama_dir: Path):
     """An fp32 CPU engine on the tiny Llama, one per test module."""

@@ -74,6 +74,8 @@ def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torc
             _replace(model, name, layer)
         report.layers = len(linears)
         report.lossless = bool(exact) and all(exact)
+        if any(hasattr(layer.mlp, "experts") for layer in model.layers):
+            report.reason += " (the MoE experts stay in the checkpoint's precision)"
         # the LM head as int8 rows (GGUF stores it as Q8_0); the fp embedding table stays for lookups
         model.lm_head_quant = quant.Int8Linear(model.lm_head_weight, dense_dtype=report.dense_dtype)
         report.decode_stack = model.build_decode_stack()
@@ -139,7 +141,7 @@ def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     out = []
     for i, layer in enumerate(model.layers):
         for parent, attr in _LINEARS:
-            module = getattr(getattr(layer, parent), attr)
+            module = getattr(getattr(layer, parent), attr, None)  # a routed MoE block has none of the MLP's
             if isinstance(module, nn.Linear):
                 out.append((f"layers.{i}.{parent}.{attr}", module))
     return out

@@ -10,10 +10,12 @@ import torch
 from . import llama
 from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM, TPShard
+from .moe import MoEForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **{arch: LlamaForCausalLM for arch in LlamaForCausalLM.architectures},
     **{arch: GemmaForCausalLM for arch in GemmaForCausalLM.architectures},
+    **{arch: MoEForCausalLM for arch in MoEForCausalLM.architectures},
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
@@ -32,5 +34,5 @@ def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torc
     return llama.build_model(config, weights, dtype, device, tp, model_class(config))
 
 
-__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "MODEL_CLASSES", "SUPPORTED_ARCHITECTURES", "build_model",
+__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "MODEL_CLASSES", "MoEForCausalLM", "SUPPORTED_ARCHITECTURES", "build_model",
            "model_class"]

@@ -45,6 +45,12 @@ GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 GEMMA_HONOURED = frozenset({"hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping",
                             "attn_logit_softcapping", "use_bidirectional_attention", "_sliding_window_pattern",
                             "sliding_window_pattern"})
+# Mixture-of-experts fields (models/moe.py); the router's training-time losses and noise are harmless.
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_HONOURED = frozenset({"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                          "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                          "mlp_only_layers", "qkv_bias", "output_router_logits", "router_aux_loss_coef",
+                          "router_jitter_noise"})
 SILU = ("silu", "swish")
 GELU_TANH = ("gelu_pytorch_tanh",)
 # RoPE kinds Gemma's per-layer-type tables are built for (models/gemma.py).
@@ -75,7 +81,7 @@ def layer_windows(config: Any) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as HF's modeling code reads the config:
     per `layer_types` where the config has them (Qwen2/Qwen3's `use_sliding_window` and
     `max_window_layers` become those, Gemma's interleaving too), else one window on every layer
-    (Mistral, Phi-3)."""
+    (Mistral, Phi-3, Mixtral, Qwen3-MoE)."""
     layers = int(config.num_hidden_layers)
     window = getattr(config, "sliding_window", None)
     if not window:
@@ -83,7 +89,7 @@ def layer_windows(config: Any) -> list[int | None]:
     types = getattr(config, "layer_types", None)
     if types:
         return [int(window) if kind == "sliding_attention" else None for kind in types]
-    if config.model_type in ("mistral", "phi3"):
+    if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return [int(window)] * layers
     return [None] * layers
 
@@ -118,7 +124,8 @@ def check_model_config(config: Any) -> ModelLimits:
     fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     problems = [f"{name}: {why}" for name, why in REFUSED.items() if fields.get(name)]
     gemma = fields.get("model_type") in GEMMA_FAMILIES
-    honoured = HONOURED | GEMMA_HONOURED if gemma else HONOURED
+    honoured = HONOURED | (GEMMA_HONOURED if gemma else frozenset()) | (
+        MOE_HONOURED if fields.get("model_type") in MOE_FAMILIES else frozenset())
     act = fields.get("hidden_activation") or fields.get("hidden_act", "silu")
     if act not in (GELU_TANH if gemma else SILU):
         problems.append(f"hidden_act={act!r} (implemented: {', '.join(GELU_TANH if gemma else SILU)} for this family)")

@@ -150,9 +150,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def build_decode_stack(self) -> bool:
         return False  # the one-call stack runs Llama layers (SiLU, no sandwich norms)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
         self.add_one_to_norms()
+        return loaded
 
     def add_one_to_norms(self) -> None:
         """HF stores Gemma's norm weights as offsets from 1 (llama.cpp's GGUF files store 1 + w)."""

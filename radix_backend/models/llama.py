@@ -140,11 +140,12 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Llama / Qwen3 `attention_bias`: q, k, v and o; Qwen2: q, k and v always, never o
+        # Qwen2-MoE: `qkv_bias`
         attention_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=attention_bias or config.model_type == "qwen2")
+        qkv_bias = attention_bias or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias", False))
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=attention_bias)
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -175,9 +176,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, tp_size: int = 1, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+    def __init__(self, config, tp_size: int = 1, all_reduce: Callable[[torch.Tensor], None] | None = None,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        intermediate = config.intermediate_size // tp_size
+        intermediate = (intermediate_size or config.intermediate_size) // tp_size
         bias = bool(getattr(config, "mlp_bias", False))  # Llama's gate, up and down biases
         self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, config.hidden_size, bias=bias)
@@ -338,8 +340,9 @@ class LlamaForCausalLM(nn.Module):
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     # ---- weights -------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up into the stacked projections."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors, fusing q/k/v and gate/up into the stacked projections; returns
+        what was loaded (parameter names, #part where a part of one)."""
         params = dict(self.named_parameters())
         stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -347,6 +350,10 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
+                continue
+            special = self.load_special_weight(name, tensor, params)
+            if special:
+                loaded.update(special)
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
@@ -381,6 +388,12 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        return loaded
+
+    def load_special_weight(self, name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor]) -> list[str]:
+        """A family's own tensor layouts (MoE experts stored one per tensor): the names of `params`
+        it filled (with #part suffixes where it filled a part), or [] to load `name` as usual."""
+        return []
 
     def _tp_slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor: rows of column-parallel weights (and their

@@ -9,24 +9,25 @@ from pathlib import Path
 
 import pytest
 from transformers import (GemmaConfig, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
-                          Phi3Config, Qwen2Config, Qwen3Config)
+                          MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 from radix_backend import Engine, SamplingParams
 from radix_backend.errors import ModelLoadError
-from radix_backend.models.config_check import (GEMMA_FAMILIES, GEMMA_HONOURED, HARMLESS, HONOURED, ModelLimits,
-                                               check_model_config, layer_windows)
+from radix_backend.models.config_check import (GEMMA_FAMILIES, GEMMA_HONOURED, HARMLESS, HONOURED, MOE_FAMILIES,
+                                               MOE_HONOURED, ModelLimits, check_model_config, layer_windows)
 
 from conftest import TINY_LONGROPE_ORIGINAL, TINY_WINDOW
 
 FAMILIES = [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, GraniteConfig, GemmaConfig, Gemma2Config,
-            Gemma3TextConfig]
+            Gemma3TextConfig, Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig]
 
 
 @pytest.mark.parametrize("config_class", FAMILIES, ids=lambda c: c.__name__)
 def test_every_field_of_a_supported_family_is_classified(config_class):
     """A new transformers field shows up here first: decide whether the decoder honours it."""
     config = config_class()
-    honoured = HONOURED | GEMMA_HONOURED if config.model_type in GEMMA_FAMILIES else HONOURED
+    honoured = HONOURED | (GEMMA_HONOURED if config.model_type in GEMMA_FAMILIES else set()) | (
+        MOE_HONOURED if config.model_type in MOE_FAMILIES else set())
     assert set(config.to_dict()) - honoured - HARMLESS == set()
     check_model_config(config_class())  # the defaults load
 
@@ -99,3 +100,18 @@ def test_sliding_window_model_serves_past_its_window_like_hf(tiny_mistral_window
                 chunked_prefill_tokens=48, attention_backend="torch") as chunked:
         assert chunked.generate(prompt, params).token_ids == cold.token_ids
         assert chunked.generate(prompt + " eleven", params).token_ids == warm.token_ids
+
+
+def test_longrope_model_serves_its_short_factor_range(tiny_phi4_dir: Path):
+    with Engine(str(tiny_phi4_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as engine:
+        assert engine.context_length == TINY_LONGROPE_ORIGINAL
+        assert engine.runner.model.cos_sin_cache.shape[-1] == 12  # 3/4 of the 16-dim heads rotate
+        assert engine.runner.model.decode_stack is None  # the native stack rotates whole heads only
+
+
+def test_the_embedded_models_hf_directory_passes_its_own_check(smollm2_hf_dir: str) -> None:
+    """transformers writes the GGUF's name as `_model_name_or_path`: bookkeeping, not a refusal."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(smollm2_hf_dir)
+    assert check_model_config(config).context_length == 8192

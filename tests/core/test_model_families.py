@@ -1,5 +1,5 @@
-"""Families beyond Llama (Gemma 1/2/3): tiny random checkpoints through the engine against HF
-transformers, with prompts longer than the sliding window, chunked and cached."""
+"""Families beyond Llama (Gemma 1/2/3, mixtures of experts): tiny random checkpoints through the
+engine against HF transformers, with prompts longer than the sliding window, chunked and cached."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from radix_backend import Engine, SamplingParams
 
 from conftest import TINY_GEMMA_WINDOW
 
-FAMILIES = ["tiny_gemma_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"]
+FAMILIES = ["tiny_gemma_dir", "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_qwen2_moe_dir", "tiny_qwen3_moe_dir",
+            "tiny_mixtral_dir"]
 PROMPTS = ["Hello, my name is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25",
            "The quick brown fox jumps over the lazy dog. " * 4]
 NEW = 10
@@ -47,7 +48,7 @@ def test_greedy_tokens_and_logprobs_match_hf(fixture, request):
         assert all(o.meta.cached_tokens > 0 for o in again)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_gemma2_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_mixtral_dir"])
 def test_chunked_prefill_and_a_cached_prefix_past_the_window_give_the_cold_tokens(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     prompt = PROMPTS[-1]
@@ -58,7 +59,7 @@ def test_chunked_prefill_and_a_cached_prefix_past_the_window_give_the_cold_token
                 chunked_prefill_tokens=20) as chunked:
         assert chunked.generate(prompt, params).token_ids == cold[0].token_ids
         warm = chunked.generate(prompt + " And then", params)  # extends a cached prefix > window
-        assert warm.meta.cached_tokens > TINY_GEMMA_WINDOW
+        assert warm.meta.cached_tokens > 32  # both models' windows
         assert warm.token_ids == cold[1].token_ids
 
 
@@ -79,3 +80,34 @@ def test_gemma_configs_refuse_what_is_not_implemented():
                                                                 "rope_theta": 1e6}})
     with pytest.raises(ModelLoadError, match="rope_type='yarn'"):
         check_model_config(yarn)
+
+
+def test_moe_experts_load_from_the_stacked_layout_too(tiny_qwen3_moe_dir, tmp_path):
+    """transformers 5 holds experts stacked ([E, 2I, H] gate|up, [E, H, I] down); a checkpoint saved
+    that way gives the same tokens as the published per-expert one, and one missing an expert is
+    refused by name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from radix_backend.errors import ModelLoadError
+
+    tensors = load_file(str(tiny_qwen3_moe_dir / "model.safetensors"))
+    stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in range(2):
+        part = lambda e, proj: tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"]  # noqa: E731
+        stacked[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([part(e, "gate_proj"), part(e, "up_proj")]) for e in range(8)])
+        stacked[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack([part(e, "down_proj") for e in range(8)])
+    shutil.copytree(tiny_qwen3_moe_dir, tmp_path / "stacked")
+    save_file(stacked, str(tmp_path / "stacked" / "model.safetensors"), metadata={"format": "pt"})
+    params = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+    with Engine(str(tiny_qwen3_moe_dir), kv_cache_tokens=1024, device="cpu", dtype="float32") as engine:
+        want = engine.generate(PROMPTS, params)
+    with Engine(str(tmp_path / "stacked"), kv_cache_tokens=1024, device="cpu", dtype="float32") as engine:
+        assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in want]
+    shutil.copytree(tiny_qwen3_moe_dir, tmp_path / "short")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "short" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises((ModelLoadError, ValueError), match="experts.gate_up_proj\\[5\\]"):
+        Engine(str(tmp_path / "short"), kv_cache_tokens=1024, device="cpu", dtype="float32")

@@ -1,0 +1,168 @@
+"""Mixture-of-experts decoders (Qwen2-MoE, Qwen3-MoE, Mixtral): Llama-family layers whose MLP is a
+routed set of SiLU experts.
+
+Per token the router's softmax picks `num_experts_per_tok` experts (renormalised over the picked
+ones for Mixtral and where `norm_topk_prob`), and the token's output is their weighted sum;
+Qwen2-MoE adds a shared expert gated by a sigmoid. A step's rows are grouped by expert, so each
+expert that any row picked runs one matmul over all its rows (never one per token), in expert
+order as HF sums them. Layers listed in `mlp_only_layers` or off the `decoder_sparse_step` grid
+keep a dense MLP.
+
+Weights load from either layout: HF's per-expert tensors as published
+(`mlp.experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`) or
+transformers 5's stacked ones (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I]), which is also how they are held here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from radix_backend.kernels import ops
+
+from .llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
+
+ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# a published checkpoint's per-expert tensor: (layer prefix, expert, projection)
+_PER_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+                         r"\.weight$")
+_PART = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+         "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
+
+
+def num_experts(config) -> int:
+    return int(getattr(config, "num_experts", None) or config.num_local_experts)
+
+
+def is_sparse_layer(config, layer_id: int) -> bool:
+    """HF's rule: Mixtral's layers are all sparse; Qwen's except `mlp_only_layers` and those off
+    the `decoder_sparse_step` grid."""
+    if config.model_type == "mixtral":
+        return True
+    return (layer_id not in (getattr(config, "mlp_only_layers", None) or []) and num_experts(config) > 0
+            and (layer_id + 1) % int(getattr(config, "decoder_sparse_step", 1)) == 0)
+
+
+class Experts(nn.Module):
+    """Every expert's gate|up and down weights, stacked along a leading expert dim."""
+
+    def __init__(self, count: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(count, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; expert_ids, weights [T, k] -> sum over each row's k experts of weight * expert(x)."""
+        out = torch.zeros_like(x)
+        k = expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (row, pick) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        rows_sorted, weights_sorted = order // k, weights.reshape(-1)[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = rows_sorted[start:start + count]
+            hidden = ops.silu_and_mul(ops.linear(x.index_select(0, rows), self.gate_up_proj[expert]))
+            hidden = ops.linear(hidden, self.down_proj[expert]) * weights_sorted[start:start + count, None]
+            out.index_add_(0, rows, hidden.to(out.dtype))
+            start += count
+        return out
+
+
+class SparseMoE(nn.Module):
+    """The routed MLP of one layer (HF names: `mlp.gate`, `mlp.experts`, Qwen2-MoE's `mlp.shared_expert`
+    and `mlp.shared_expert_gate`)."""
+
+    def __init__(self, config, tp_size: int = 1) -> None:
+        super().__init__()
+        if tp_size != 1:
+            raise ValueError("mixture-of-experts models run with tp_size=1 (experts are not sharded yet)")
+        count = num_experts(config)
+        intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        self.top_k = int(config.num_experts_per_tok)
+        self.renormalise = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+        self.gate = Linear(config.hidden_size, count, bias=False)
+        self.experts = Experts(count, config.hidden_size, intermediate)
+        shared = getattr(config, "shared_expert_intermediate_size", None) if config.model_type == "qwen2_moe" else None
+        self.shared_expert = MLP(config, intermediate_size=shared) if shared else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x, expert_ids, weights.to(x.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoEDecoderLayer(DecoderLayer):
+    def __init__(self, config, layer_id: int, tp_size: int = 1,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+        super().__init__(config, layer_id, tp_size, all_reduce)
+        if is_sparse_layer(config, layer_id):
+            self.mlp = SparseMoE(config, tp_size)
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE, Qwen3-MoE and Mixtral; `forward` as LlamaForCausalLM's."""
+
+    architectures = ARCHITECTURES
+
+    @staticmethod
+    def make_layer(config, layer_id: int, tp_size: int, all_reduce) -> nn.Module:
+        return MoEDecoderLayer(config, layer_id, tp_size, all_reduce)
+
+    def build_decode_stack(self) -> bool:
+        return False  # the one-call stack runs dense MLPs
+
+    def load_special_weight(self, name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor]) -> list[str]:
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's published name of the block
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            if name.endswith(".mlp.gate.weight") or ".mlp.experts." in name:  # the router, stacked experts
+                target = params.get(name)
+                if target is None or target.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit this model")
+                target.data.copy_(tensor)
+                return [name]
+            return []
+        layer, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        stacked, half = _PART[proj]
+        target = params[f"{layer}.mlp.experts.{stacked}"].data[expert]
+        if half is not None:
+            size = target.shape[0] // 2
+            target = target[half * size:(half + 1) * size]
+        if target.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} {tuple(tensor.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(tensor)
+        return [f"{layer}.mlp.experts.{stacked}#{expert}#{half}"]
+
+    @staticmethod
+    def _expected_loaded_names(params: dict[str, torch.Tensor]) -> set[str]:
+        """Stacked experts count as loaded once whole (both layouts name them differently)."""
+        return {name for name in LlamaForCausalLM._expected_loaded_names(params) if ".mlp.experts." not in name}
+
+    def load_weights(self, weights) -> set[str]:
+        loaded = super().load_weights(weights)
+        self._check_experts_complete(loaded)
+        return loaded
+
+    def _check_experts_complete(self, loaded: set[str]) -> None:
+        missing = []
+        for name, param in self.named_parameters():
+            if ".mlp.experts." not in name or name in loaded:
+                continue
+            halves = (0, 1) if name.endswith("gate_up_proj") else (None,)
+            missing += [f"{name}[{e}]" for e in range(param.shape[0]) for h in halves
+                        if f"{name}#{e}#{h}" not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing expert tensors: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
