@@ -226,3 +226,86 @@ def requantize_smollm2(path: Path, types: dict[str, str]) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# HF layer tensor (after "model.layers.N.") -> llama.cpp's name (after "blk.N."), as its converter writes them
+_HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_HF_TO_GGUF_GEMMA2 = {**_HF_TO_GGUF, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+_GGUF_ARCH = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+
+def hf_to_gguf(model_dir: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """A tiny HF Gemma checkpoint as llama.cpp's converter writes it: its tensor names, norm weights
+    stored as 1 + w, the metadata llama.cpp reads (with the sliding layers as a per-layer flag
+    array, which llama.cpp honours, so a checkpoint's own `layer_types` survive); matrices in
+    `matrix_type`, vectors in F32."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = _GGUF_ARCH[cfg["model_type"]]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _copy_tokenizer(writer, cfg["vocab_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "gemma3":
+        full = rope.get("full_attention", {})
+        writer.add_rope_freq_base(full.get("rope_theta", 1_000_000.0))
+        writer.add_float32(f"{arch}.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+    else:
+        writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_array(f"{arch}.attention.sliding_window_pattern",
+                         [kind == "sliding_attention" for kind in cfg["layer_types"]])
+        if cfg.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    names = _HF_TO_GGUF_GEMMA2 if arch in ("gemma2", "gemma3") else _HF_TO_GGUF
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for name, value in tensors.items():
+        value = value.astype(np.float32)
+        if name.endswith("norm.weight"):
+            value = value + 1.0  # Gemma's (1 + w)
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif name == "lm_head.weight":
+            continue  # tied
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            out = f"blk.{layer}.{names[rest]}"
+        if value.ndim == 1:
+            writer.add_tensor(out, value)
+        else:
+            data, raw = quantize(value, matrix_type)
+            writer.add_tensor(out, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -36,7 +36,17 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3_text"),
 }
+# Gemma 2/3's local layers, as llama.cpp reads them: a window (Gemma 2: 4096 unless given), which
+# layers slide (`sliding_window_pattern`, else every layer but each n-th), and their RoPE base.
+_GEMMA_SWA_KEYS = {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
+                   "final_logit_softcapping"}
+_GEMMA_DEFAULT_PATTERN = {"gemma2": 2, "gemma3": 6}
+# llama.cpp's layer counts of the 27B Gemmas, whose attention scale is 1/sqrt(hidden / heads), not
+# 1/sqrt(head size) (llama.cpp derives it so; the converter writes no `query_pre_attn_scalar`)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # per-architecture metadata keys (after "<arch>.") that the model honours
 HONOURED = {"context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
             "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base",
@@ -44,7 +54,8 @@ HONOURED = {"context_length", "embedding_length", "block_count", "feed_forward_l
             "rope.scaling.type", "rope.scaling.factor"}
 # keys honoured for one architecture only (elsewhere, e.g. a llama file's sliding window, refused)
 ARCH_HONOURED = {"phi3": {"rope.scaling.original_context_length", "attention.sliding_window",
-                          "rope.scaling.attn_factor"}}
+                          "rope.scaling.attn_factor"},
+                 "gemma2": _GEMMA_SWA_KEYS | {"attn_logit_softcapping"}, "gemma3": _GEMMA_SWA_KEYS}
 # other key families that do not change the math
 HARMLESS_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
 _LAYER_TENSORS = {
@@ -59,6 +70,10 @@ _LAYER_TENSORS = {
 # Phi-3 files keep HF's fused projections: q|k|v in attn_qkv, gate|up in ffn_up
 _PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.weight",
                        "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Gemma 2/3: a norm after attention, before and after the MLP (llama.cpp's ffn_norm is the one before)
+_GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                    "output.weight": "lm_head.weight"}
 # per-frequency RoPE factors, read into the config: Llama 3's divisors, Phi-3's LongRoPE pair
@@ -237,7 +252,8 @@ def _hf_name(path: Path, arch: str, name: str) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     match = _LAYER_NAME.fullmatch(name)
-    layer_names = _PHI3_LAYER_TENSORS if arch == "phi3" else _LAYER_TENSORS
+    layer_names = {"phi3": _PHI3_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS,
+                   "gemma3": _GEMMA_LAYER_TENSORS}.get(arch, _LAYER_TENSORS)
     if match and match.group(2) in layer_names:
         return f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
     raise ModelLoadError(f"{path.name}: tensor {name!r} is not part of a model we implement (would be ignored)")
@@ -293,6 +309,8 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
         kwargs["attention_bias"] = bias
     if arch == "phi3":
         kwargs.update(_phi3_kwargs(path, get, rotary_dims, head_dim, rope_factors))
+    elif arch in ("gemma2", "gemma3"):
+        kwargs.update(_gemma_kwargs(arch, get, kwargs))
     elif set(rope_factors) - {"rope_freqs.weight"}:
         raise ModelLoadError(f"{path.name}: LongRoPE factor tensors in a {arch} model are not supported")
     config = config_class(**kwargs)
@@ -324,6 +342,39 @@ def _phi3_kwargs(path: Path, get: Any, rotary_dims: int, head_dim: int,
         attn_factor = get("rope.scaling.attn_factor", 0.0)
         if attn_factor:
             out["rope_scaling"]["attention_factor"] = float(attn_factor)
+    return out
+
+
+def _gemma_kwargs(arch: str, get: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's fields as llama.cpp reads a file of it (its norm weights are stored as 1 + w, as the
+    model holds them). The attention scale and which layers slide are derived as llama.cpp does."""
+    layers, hidden, heads = kwargs["num_hidden_layers"], kwargs["hidden_size"], kwargs["num_attention_heads"]
+    scalar = hidden // heads if layers == _GEMMA_27B_LAYERS.get(arch) else kwargs["head_dim"]
+    kwargs.pop("hidden_act")
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar}
+    window = int(get("attention.sliding_window", 4096 if arch == "gemma2" else 0))
+    pattern = get("attention.sliding_window_pattern", _GEMMA_DEFAULT_PATTERN[arch])
+    if isinstance(pattern, list):  # one flag per layer
+        sliding = [bool(v) for v in pattern][:layers]
+    else:
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    out["layer_types"] = ["sliding_attention" if window and s else "full_attention" for s in sliding]
+    out["sliding_window"] = window or None
+    final_cap = float(get("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0))
+    out["final_logit_softcapping"] = final_cap or None
+    theta = kwargs.pop("rope_theta")
+    scaling = kwargs.pop("rope_scaling") or {"rope_type": "default"}
+    if arch == "gemma2":  # one RoPE for every layer (llama.cpp: the local base defaults to the global one)
+        if float(get("rope.freq_base_swa", theta)) != theta:
+            raise ModelLoadError("gemma2.rope.freq_base_swa differs from gemma2.rope.freq_base: not implemented")
+        out["attn_logit_softcapping"] = float(get("attn_logit_softcapping", 50.0))
+        out["rope_parameters"] = {**scaling, "rope_theta": theta}
+        return out
+    # Gemma 3: local layers keep base 10000 and no scaling unless the file says
+    out["rope_parameters"] = {"full_attention": {**scaling, "rope_theta": theta},
+                              "sliding_attention": {"rope_type": "default",
+                                                    "rope_theta": float(get("rope.freq_base_swa", 10000.0))}}
     return out
 
 

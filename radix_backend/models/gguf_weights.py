@@ -16,13 +16,15 @@ from torch import nn
 
 from radix_backend.kernels import ggml, quant
 
-from .llama import LlamaForCausalLM, rope_cos_sin_cache
+from .llama import LlamaForCausalLM
 
 
 def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCausalLM:
     """The CPU model of a GGUF file (see the module docstring); `tensors` by HF name."""
+    from . import model_class
+
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     used: set[str] = set()
 
     def raw(name: str) -> ggml.RawTensor:
@@ -57,8 +59,7 @@ def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCaus
     left = sorted(set(tensors) - used)
     if left:
         raise ValueError(f"GGUF tensors the model does not use: {left[:6]}")
-    model.cos_sin_cache = rope_cos_sin_cache(config, model.layers[0].self_attn.head_dim,
-                                             config.max_position_embeddings)
+    model.reset_rope_tables(torch.device("cpu"))
     release_load_memory(tensors)
     return model.eval()
 

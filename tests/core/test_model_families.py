@@ -111,3 +111,32 @@ def test_moe_experts_load_from_the_stacked_layout_too(tiny_qwen3_moe_dir, tmp_pa
     save_file(tensors, str(tmp_path / "short" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises((ModelLoadError, ValueError), match="experts.gate_up_proj\\[5\\]"):
         Engine(str(tmp_path / "short"), kv_cache_tokens=1024, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma2_dir", "tiny_gemma3_dir"])
+def test_gemma_gguf_files_run_in_their_own_types_like_the_checkpoint(fixture, request, tmp_path):
+    """The checkpoint written as llama.cpp's converter writes a GGUF: in F32 it gives the checkpoint's
+    tokens on the native GGUF path; in Q8_0 it runs there too, cached == uncached. (llama.cpp keeps
+    no `query_pre_attn_scalar`: it scales by the head size, so the checkpoint here does too.)"""
+    import json
+    import shutil
+
+    from gguf_files import hf_to_gguf
+
+    model_dir = tmp_path / "hf"
+    shutil.copytree(request.getfixturevalue(fixture), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "query_pre_attn_scalar": config["head_dim"]}))
+    params = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+    with Engine(str(model_dir), kv_cache_tokens=2048, device="cpu", dtype="float32") as engine:
+        ids = [engine.encode(p) for p in PROMPTS]  # transformers reads a Gemma GGUF's BPE vocabulary its own way
+        want = [o.token_ids for o in engine.generate(input_ids=ids, params=params)]
+    f32 = hf_to_gguf(model_dir, tmp_path / "f32.gguf", "F32")
+    with Engine(str(f32), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
+        assert engine.runner.quantization.mode == "gguf", engine.runner.quantization.reason
+        assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == want
+    q8 = hf_to_gguf(model_dir, tmp_path / "q8.gguf", "Q8_0")
+    with Engine(str(q8), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
+        assert "Q8_0" in engine.runner.quantization.kernels
+        first = [o.token_ids for o in engine.generate(input_ids=ids, params=params)]
+        assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == first
