@@ -270,7 +270,7 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer)
     return _save_tiny_gemma(Gemma3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma3"))
 
 
-TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48)
+TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
 
 
 @pytest.fixture(scope="session")

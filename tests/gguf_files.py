@@ -235,19 +235,27 @@ _HF_TO_GGUF = {
     "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 _HF_TO_GGUF_GEMMA2 = {**_HF_TO_GGUF, "post_attention_layernorm.weight": "post_attention_norm.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
-_GGUF_ARCH = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+_GGUF_ARCH = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
+              "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def hf_to_gguf(model_dir: Path, path: Path, matrix_type: str = "F32") -> Path:
-    """A tiny HF Gemma checkpoint as llama.cpp's converter writes it: its tensor names, norm weights
-    stored as 1 + w, the metadata llama.cpp reads (with the sliding layers as a per-layer flag
-    array, which llama.cpp honours, so a checkpoint's own `layer_types` survive); matrices in
-    `matrix_type`, vectors in F32."""
+    """A tiny HF Gemma or MoE checkpoint as llama.cpp's converter writes it: its tensor names, Gemma's
+    norm weights stored as 1 + w, the metadata llama.cpp reads (with the sliding layers as a
+    per-layer flag array, which llama.cpp honours, so a checkpoint's own `layer_types` survive),
+    experts stacked per layer, a llama (Mixtral) file's q/k rows permuted for llama.cpp's RoPE;
+    matrices in `matrix_type`, vectors and routers in F32."""
     import json
 
     import gguf
@@ -264,8 +272,9 @@ def hf_to_gguf(model_dir: Path, path: Path, matrix_type: str = "F32") -> Path:
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_key_length(cfg["head_dim"])
-    writer.add_value_length(cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     rope = cfg.get("rope_parameters") or {}
     if arch == "gemma3":
         full = rope.get("full_attention", {})
@@ -284,18 +293,47 @@ def hf_to_gguf(model_dir: Path, path: Path, matrix_type: str = "F32") -> Path:
             writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     names = _HF_TO_GGUF_GEMMA2 if arch in ("gemma2", "gemma3") else _HF_TO_GGUF
     tensors = load_file(str(model_dir / "model.safetensors"))
+    stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, value in list(tensors.items()):
+        parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
+        if "experts" in parts:  # model.layers.L.mlp.experts.E.proj.weight
+            layer, expert, proj = parts[2], int(parts[5]), _EXPERT_PARTS[parts[6]]
+            stacked.setdefault((layer, proj), {})[expert] = value
+            del tensors[name]
+        elif ".block_sparse_moe." in name:
+            tensors[name.replace(".block_sparse_moe.", ".mlp.")] = tensors.pop(name)
+    for (layer, proj), by_expert in stacked.items():
+        whole = np.stack([by_expert[e] for e in range(len(by_expert))]).astype(np.float32)
+        data, raw = quantize(whole.reshape(-1, whole.shape[-1]), matrix_type)
+        writer.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", data.reshape(*whole.shape[:2], -1), raw_dtype=raw)
     for name, value in tensors.items():
         value = value.astype(np.float32)
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and arch.startswith("gemma"):
             value = value + 1.0  # Gemma's (1 + w)
+        if arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            value = value.reshape(heads, 2, value.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(value.shape)
+        if name.endswith("shared_expert_gate.weight") or name.endswith("mlp.gate.weight"):
+            writer.add_tensor(f"blk.{name.split('.')[2]}.{names[name.split('.', 3)[3]]}",
+                              value.reshape(-1) if value.shape[0] == 1 else value)
+            continue
         if name == "model.embed_tokens.weight":
             out = "token_embd.weight"
         elif name == "model.norm.weight":
             out = "output_norm.weight"
         elif name == "lm_head.weight":
-            continue  # tied
+            if cfg.get("tie_word_embeddings", True):
+                continue
+            out = "output.weight"
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             out = f"blk.{layer}.{names[rest]}"

@@ -38,7 +38,14 @@ ARCHITECTURES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3_text"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# a llama file with experts is a Mixtral
+_MIXTRAL = ("MixtralConfig", "MixtralForCausalLM", "mixtral")
+# experts: how many, how many each token uses, their width (and Qwen2-MoE's shared expert's)
+_MOE_KEYS = {"expert_count", "expert_used_count", "expert_feed_forward_length",
+             "expert_shared_feed_forward_length"}
 # Gemma 2/3's local layers, as llama.cpp reads them: a window (Gemma 2: 4096 unless given), which
 # layers slide (`sliding_window_pattern`, else every layer but each n-th), and their RoPE base.
 _GEMMA_SWA_KEYS = {"attention.sliding_window", "attention.sliding_window_pattern", "rope.freq_base_swa",
@@ -55,7 +62,8 @@ HONOURED = {"context_length", "embedding_length", "block_count", "feed_forward_l
 # keys honoured for one architecture only (elsewhere, e.g. a llama file's sliding window, refused)
 ARCH_HONOURED = {"phi3": {"rope.scaling.original_context_length", "attention.sliding_window",
                           "rope.scaling.attn_factor"},
-                 "gemma2": _GEMMA_SWA_KEYS | {"attn_logit_softcapping"}, "gemma3": _GEMMA_SWA_KEYS}
+                 "gemma2": _GEMMA_SWA_KEYS | {"attn_logit_softcapping"}, "gemma3": _GEMMA_SWA_KEYS,
+                 "llama": _MOE_KEYS, "qwen2moe": _MOE_KEYS, "qwen3moe": _MOE_KEYS}
 # other key families that do not change the math
 HARMLESS_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
 _LAYER_TENSORS = {
@@ -74,6 +82,15 @@ _PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
                         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                         "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# mixtures of experts: the router, every expert stacked in one tensor ([E * I, H] rows; the model
+# slices them per expert), Qwen2-MoE's shared expert and its sigmoid gate
+_MOE_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_gate_inp.weight": "mlp.gate.weight",
+                      "ffn_gate_exps.weight": "mlp.experts.gate_exps", "ffn_up_exps.weight": "mlp.experts.up_exps",
+                      "ffn_down_exps.weight": "mlp.experts.down_exps",
+                      "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                      "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                      "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+                      "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 _GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                    "output.weight": "lm_head.weight"}
 # per-frequency RoPE factors, read into the config: Llama 3's divisors, Phi-3's LongRoPE pair
@@ -252,8 +269,9 @@ def _hf_name(path: Path, arch: str, name: str) -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     match = _LAYER_NAME.fullmatch(name)
-    layer_names = {"phi3": _PHI3_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS,
-                   "gemma3": _GEMMA_LAYER_TENSORS}.get(arch, _LAYER_TENSORS)
+    layer_names = {"phi3": _PHI3_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS,
+                   "qwen2moe": _MOE_LAYER_TENSORS, "qwen3moe": _MOE_LAYER_TENSORS,
+                   "llama": _MOE_LAYER_TENSORS}.get(arch, _LAYER_TENSORS)
     if match and match.group(2) in layer_names:
         return f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
     raise ModelLoadError(f"{path.name}: tensor {name!r} is not part of a model we implement (would be ignored)")
@@ -263,7 +281,8 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
             rope_factors: dict[str, np.ndarray]) -> PretrainedConfig:
     import transformers
 
-    class_name, hf_arch, model_type = ARCHITECTURES[arch]
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    class_name, hf_arch, model_type = _MIXTRAL if arch == "llama" and experts else ARCHITECTURES[arch]
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default) if default is not None else _require(meta, f"{arch}.{key}", path)
@@ -305,8 +324,12 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
         architectures=[hf_arch], torch_dtype="float32",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
-    if arch == "llama":
+    if arch == "llama" and not experts:
         kwargs["attention_bias"] = bias
+    if experts:
+        kwargs.update(_moe_kwargs(path, arch, get, experts, tensors))
+    elif arch in ("qwen2moe", "qwen3moe"):
+        raise ModelLoadError(f"{path.name}: a {arch} file without {arch}.expert_count")
     if arch == "phi3":
         kwargs.update(_phi3_kwargs(path, get, rotary_dims, head_dim, rope_factors))
     elif arch in ("gemma2", "gemma3"):
@@ -342,6 +365,28 @@ def _phi3_kwargs(path: Path, get: Any, rotary_dims: int, head_dim: int,
         attn_factor = get("rope.scaling.attn_factor", 0.0)
         if attn_factor:
             out["rope_scaling"]["attention_factor"] = float(attn_factor)
+    return out
+
+
+def _moe_kwargs(path: Path, arch: str, get: Any, experts: int, tensors: dict[str, ggml.RawTensor]) -> dict[str, Any]:
+    """The experts' fields, with the routing llama.cpp applies per architecture: Qwen3-MoE and
+    Mixtral renormalise the picked experts' weights, Qwen2-MoE does not."""
+    gate = tensors.get("layers.0.mlp.experts.gate_exps")
+    if gate is None:
+        raise ModelLoadError(f"{path.name}: {arch}.expert_count is set but blk.0.ffn_gate_exps.weight is missing")
+    width = int(get("expert_feed_forward_length", gate.rows // experts))
+    out: dict[str, Any] = {"num_experts_per_tok": int(get("expert_used_count"))}
+    if arch == "llama":  # Mixtral: every expert as wide as feed_forward_length
+        out["num_local_experts"] = experts
+        if width != int(get("feed_forward_length")):
+            raise ModelLoadError(f"{path.name}: experts {width} wide in a {get('feed_forward_length')}-wide llama")
+        return out
+    dense = [i for i in range(int(get("block_count"))) if f"layers.{i}.mlp.experts.gate_exps" not in tensors]
+    out.update(num_experts=experts, moe_intermediate_size=width, norm_topk_prob=arch == "qwen3moe",
+               decoder_sparse_step=1, mlp_only_layers=dense)
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
+        out["qkv_bias"] = "layers.0.self_attn.q_proj.bias" in tensors
     return out
 
 

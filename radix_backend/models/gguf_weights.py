@@ -43,11 +43,14 @@ def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCaus
         else:
             attn.qkv_proj = quant.GGUFLinear([raw(f"{n}.weight") for n in qkv], [bias(f"{n}.bias") for n in qkv])
         attn.o_proj = quant.GGUFLinear([raw(f"{p}self_attn.o_proj.weight")])
-        if f"{p}mlp.gate_up_proj.weight" in tensors:
+        if hasattr(mlp, "experts"):
+            _load_gguf_moe(mlp, f"{p}mlp.", tensors, raw)
+        elif f"{p}mlp.gate_up_proj.weight" in tensors:
             mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_up_proj.weight")])
         else:
             mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_proj.weight"), raw(f"{p}mlp.up_proj.weight")])
-        mlp.down_proj = quant.GGUFLinear([raw(f"{p}mlp.down_proj.weight")])
+        if not hasattr(mlp, "experts"):
+            mlp.down_proj = quant.GGUFLinear([raw(f"{p}mlp.down_proj.weight")])
     model.embed_tokens = quant.GGUFEmbedding(raw("embed_tokens.weight"))
     head = "embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
     model.lm_head_quant = quant.GGUFLinear([raw(head)], fixed_activation_bits=quant.HEAD_ACTIVATION_BITS)
@@ -62,6 +65,30 @@ def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCaus
     model.reset_rope_tables(torch.device("cpu"))
     release_load_memory(tensors)
     return model.eval()
+
+
+def _load_gguf_moe(mlp: nn.Module, p: str, tensors: dict[str, ggml.RawTensor], raw) -> None:
+    """A routed MoE block: its router, one native linear per expert, and a shared expert with its
+    sigmoid gate (Qwen2-MoE)."""
+    mlp.gate = quant.GGUFLinear([raw(f"{p}gate.weight")])
+    _use_gguf_experts(mlp.experts, *(raw(f"{p}experts.{n}_exps") for n in ("gate", "up", "down")))
+    if mlp.shared_expert is not None:
+        mlp.shared_expert_gate = quant.GGUFLinear([raw(f"{p}shared_expert_gate.weight")])
+        shared = mlp.shared_expert
+        shared.gate_up_proj = quant.GGUFLinear([raw(f"{p}shared_expert.{n}_proj.weight") for n in ("gate", "up")])
+        shared.down_proj = quant.GGUFLinear([raw(f"{p}shared_expert.down_proj.weight")])
+
+
+def _use_gguf_experts(experts: nn.Module, gate: ggml.RawTensor, up: ggml.RawTensor, down: ggml.RawTensor) -> None:
+    """Each expert's rows of the stacked tensors as its own native linears (gate|up chained)."""
+    count = experts.count
+
+    def part(t: ggml.RawTensor, e: int) -> ggml.RawTensor:
+        rows = t.rows // count
+        return ggml.RawTensor(f"{t.name}[{e}]", t.ggml_type, rows, t.cols, t.data[e * rows:(e + 1) * rows])
+
+    experts.use_linears([quant.GGUFLinear([part(gate, e), part(up, e)]) for e in range(count)],
+                        [quant.GGUFLinear([part(down, e)]) for e in range(count)])
 
 
 def release_load_memory(tensors: dict[str, ggml.RawTensor]) -> None:

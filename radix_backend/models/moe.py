@@ -48,12 +48,30 @@ def is_sparse_layer(config, layer_id: int) -> bool:
 
 
 class Experts(nn.Module):
-    """Every expert's gate|up and down weights, stacked along a leading expert dim."""
+    """Every expert's gate|up and down weights, stacked along a leading expert dim; or, from a GGUF
+    file, one native linear per expert for each (`use_linears`)."""
 
     def __init__(self, count: int, hidden: int, intermediate: int) -> None:
         super().__init__()
+        self.count = count
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(count, hidden, intermediate))
+        self.gate_up_linears: nn.ModuleList | None = None
+        self.down_linears: nn.ModuleList | None = None
+
+    def use_linears(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
+        """Run expert e as gate_up[e] and down[e] (modules such as GGUF linears in the file's types)
+        instead of the stacked fp weights, which are dropped."""
+        if len(gate_up) != self.count or len(down) != self.count:
+            raise ValueError(f"{len(gate_up)} gate|up and {len(down)} down linears for {self.count} experts")
+        del self.gate_up_proj, self.down_proj
+        self.gate_up_linears, self.down_linears = nn.ModuleList(gate_up), nn.ModuleList(down)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_linears is not None:
+            hidden = ops.silu_and_mul(self.gate_up_linears[expert](x).to(x.dtype))
+            return self.down_linears[expert](hidden).to(x.dtype)
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj[expert])), self.down_proj[expert])
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, k] -> sum over each row's k experts of weight * expert(x)."""
@@ -61,15 +79,14 @@ class Experts(nn.Module):
         k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (row, pick) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.count).tolist()
         rows_sorted, weights_sorted = order // k, weights.reshape(-1)[order]
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
             rows = rows_sorted[start:start + count]
-            hidden = ops.silu_and_mul(ops.linear(x.index_select(0, rows), self.gate_up_proj[expert]))
-            hidden = ops.linear(hidden, self.down_proj[expert]) * weights_sorted[start:start + count, None]
+            hidden = self._expert(expert, x.index_select(0, rows)) * weights_sorted[start:start + count, None]
             out.index_add_(0, rows, hidden.to(out.dtype))
             start += count
         return out

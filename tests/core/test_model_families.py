@@ -140,3 +140,36 @@ def test_gemma_gguf_files_run_in_their_own_types_like_the_checkpoint(fixture, re
         assert "Q8_0" in engine.runner.quantization.kernels
         first = [o.token_ids for o in engine.generate(input_ids=ids, params=params)]
         assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == first
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2_moe_dir", "tiny_qwen3_moe_dir", "tiny_mixtral_dir"])
+def test_moe_gguf_files_run_their_experts_in_their_own_types(fixture, request, tmp_path):
+    """The checkpoint as llama.cpp writes it (experts stacked per layer; Mixtral as a llama file with
+    experts, which has no sliding window: the checkpoint here has none either): in F32 the
+    checkpoint's tokens, in Q8_0 every expert on the native low-bit kernel."""
+    import json
+    import shutil
+
+    from gguf_files import hf_to_gguf
+
+    model_dir = tmp_path / "hf"
+    shutil.copytree(request.getfixturevalue(fixture), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    params = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+    with Engine(str(model_dir), kv_cache_tokens=2048, device="cpu", dtype="float32") as engine:
+        ids = [engine.encode(p) for p in PROMPTS]
+        want = [o.token_ids for o in engine.generate(input_ids=ids, params=params)]
+        layers = len(engine.runner.model.layers)
+    f32 = hf_to_gguf(model_dir, tmp_path / "f32.gguf", "F32")
+    with Engine(str(f32), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
+        assert engine.runner.quantization.mode == "gguf", engine.runner.quantization.reason
+        assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == want
+    q8 = hf_to_gguf(model_dir, tmp_path / "q8.gguf", "Q8_0")
+    with Engine(str(q8), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
+        sparse = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, "experts")]
+        assert 0 < len(sparse) <= layers
+        experts = sparse[0].experts
+        assert experts.gate_up_linears[0].kernels == [("Q8_0", "native low-bit")] * 2
+        first = [o.token_ids for o in engine.generate(input_ids=ids, params=params)]
+        assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == first
