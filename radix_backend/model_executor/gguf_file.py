@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from radix_backend.kernels import ggml
 from ..errors import ModelLoadError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
 # GGUF architecture -> (transformers config class name, HF architecture, model_type)
@@ -106,6 +108,31 @@ class GGUFModel:
     arch: str
     config: PretrainedConfig
     tensors: dict[str, ggml.RawTensor]
+
+    def dequantized_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor dequantized to fp32, one at a time, in HF's conventions (the fp32 reference
+        path loads these): Gemma's norms as offsets from 1, experts one tensor each, vectors of one
+        row (Qwen2-MoE's shared-expert gate) as the [1, H] matrix HF holds."""
+        import torch
+
+        for name, raw in self.tensors.items():
+            tensor = ggml.dequantize(raw)
+            if name.startswith("layers.") and ".mlp.experts." in name:
+                layer, part = name.split(".mlp.experts.")
+                per_expert = tensor.reshape(self._expert_count, -1, raw.cols)
+                proj = {"gate_exps": "gate_proj", "up_exps": "up_proj", "down_exps": "down_proj"}[part]
+                for e in range(per_expert.shape[0]):
+                    yield f"{layer}.mlp.experts.{e}.{proj}.weight", per_expert[e]
+                continue
+            if raw.rows == 1 and not name.endswith("shared_expert_gate.weight"):
+                tensor = tensor.reshape(-1)
+            if self.arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+                tensor = tensor - 1.0  # llama.cpp stores Gemma's norms as 1 + w
+            yield name, tensor.to(torch.float32)
+
+    @property
+    def _expert_count(self) -> int:
+        return int(getattr(self.config, "num_experts", None) or self.config.num_local_experts)
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}

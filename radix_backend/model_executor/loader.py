@@ -146,11 +146,7 @@ def iter_weights(ckpt: Checkpoint, dtype: torch.dtype | None = None,
     from safetensors import safe_open
 
     if ckpt.gguf is not None:  # dequantized one tensor at a time (the fp32 reference path)
-        from radix_backend.kernels import ggml
-
-        for name, raw in ckpt.gguf.tensors.items():
-            tensor = ggml.dequantize(raw)
-            tensor = tensor.reshape(-1) if raw.rows == 1 else tensor
+        for name, tensor in ckpt.gguf.dequantized_hf_weights():
             yield name, tensor.to(device=device, dtype=dtype or torch.float32)
         return
     files = weight_files(ckpt.path)

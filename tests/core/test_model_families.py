@@ -135,6 +135,8 @@ def test_gemma_gguf_files_run_in_their_own_types_like_the_checkpoint(fixture, re
     with Engine(str(f32), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
         assert engine.runner.quantization.mode == "gguf", engine.runner.quantization.reason
         assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == want
+    with Engine(str(f32), kv_cache_tokens=2048, device="cpu", quantization="none") as engine:  # fp32 reference
+        assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == want
     q8 = hf_to_gguf(model_dir, tmp_path / "q8.gguf", "Q8_0")
     with Engine(str(q8), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
         assert "Q8_0" in engine.runner.quantization.kernels
@@ -164,6 +166,8 @@ def test_moe_gguf_files_run_their_experts_in_their_own_types(fixture, request, t
     f32 = hf_to_gguf(model_dir, tmp_path / "f32.gguf", "F32")
     with Engine(str(f32), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
         assert engine.runner.quantization.mode == "gguf", engine.runner.quantization.reason
+        assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == want
+    with Engine(str(f32), kv_cache_tokens=2048, device="cpu", quantization="none") as engine:  # fp32 reference
         assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == want
     q8 = hf_to_gguf(model_dir, tmp_path / "q8.gguf", "Q8_0")
     with Engine(str(q8), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
