@@ -75,6 +75,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; expert_ids, weights [T, k] -> sum over each row's k experts of weight * expert(x)."""
+        if x.shape[0] == 1:
+            return self._one_row(x, expert_ids[0].tolist(), weights[0].tolist())
         out = torch.zeros_like(x)
         k = expert_ids.shape[1]
         flat = expert_ids.reshape(-1)
@@ -89,6 +91,17 @@ class Experts(nn.Module):
             hidden = self._expert(expert, x.index_select(0, rows)) * weights_sorted[start:start + count, None]
             out.index_add_(0, rows, hidden.to(out.dtype))
             start += count
+        return out
+
+
+    def _one_row(self, x: torch.Tensor, picks: list[int], weights: list[float]) -> torch.Tensor:
+        """A batch-1 decode step: the row's experts in expert order, as the grouped path sums them,
+        without its sorting, scatter and tensor-valued weights (their small ops took a third of a
+        small MoE's decode step)."""
+        out = None
+        for expert, weight in sorted(zip(picks, weights)):
+            term = self._expert(expert, x).mul_(weight).to(x.dtype)
+            out = term if out is None else out.add_(term)
         return out
 
 
