@@ -217,9 +217,9 @@ def tiny_phi4_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -
 TINY_GEMMA_WINDOW = 16  # the sliding window of the tiny Gemma 2/3 models' local layers
 
 
-def _save_tiny_gemma(model_cls, config, tokenizer, directory: Path) -> Path:
+def _save_tiny_random_norms(model_cls, config, tokenizer, directory: Path) -> Path:
     """As `_save_tiny`, with the norm weights drawn at random: HF initialises Gemma's (1 + w) norms at
-    w = 0, which would hide a missing or doubled offset."""
+    w = 0 and other norms at 1, which would hide a missing or doubled offset, or a misplaced norm."""
     torch.manual_seed(0)
     model = model_cls(config).eval()
     with torch.no_grad():
@@ -238,7 +238,7 @@ def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) 
 
     config = GemmaConfig(**TINY_COMMON, head_dim=32, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6,
                          **_token_ids(smollm2_tokenizer))
-    return _save_tiny_gemma(GemmaForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma"))
+    return _save_tiny_random_norms(GemmaForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma"))
 
 
 @pytest.fixture(scope="session")
@@ -251,7 +251,7 @@ def tiny_gemma2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer)
     config = Gemma2Config(**common, head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_GEMMA_WINDOW,
                           attn_logit_softcapping=3.0, final_logit_softcapping=5.0, rms_norm_eps=1e-6,
                           **_token_ids(smollm2_tokenizer))
-    return _save_tiny_gemma(Gemma2ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma2"))
+    return _save_tiny_random_norms(Gemma2ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma2"))
 
 
 @pytest.fixture(scope="session")
@@ -267,7 +267,7 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer)
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}},
         **_token_ids(smollm2_tokenizer))
-    return _save_tiny_gemma(Gemma3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma3"))
+    return _save_tiny_random_norms(Gemma3ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_gemma3"))
 
 
 TINY_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
@@ -304,6 +304,15 @@ def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer
     config = MixtralConfig(**TINY_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
                            tie_word_embeddings=False, **_token_ids(smollm2_tokenizer))
     return _save_tiny(MixtralForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_mixtral"))
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A random-weight 2-layer OLMo 2: norms after attention and MLP, q/k norms over every head."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(**TINY_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=False, **_token_ids(smollm2_tokenizer))
+    return _save_tiny_random_norms(Olmo2ForCausalLM, config, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_olmo2"))
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,13 @@ from . import llama
 from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM, TPShard
 from .moe import MoEForCausalLM
+from .olmo2 import Olmo2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **{arch: LlamaForCausalLM for arch in LlamaForCausalLM.architectures},
     **{arch: GemmaForCausalLM for arch in GemmaForCausalLM.architectures},
     **{arch: MoEForCausalLM for arch in MoEForCausalLM.architectures},
+    **{arch: Olmo2ForCausalLM for arch in Olmo2ForCausalLM.architectures},
 }
 SUPPORTED_ARCHITECTURES = tuple(MODEL_CLASSES)
 
@@ -34,5 +36,5 @@ def build_model(config, weights: Iterable[tuple[str, torch.Tensor]], dtype: torc
     return llama.build_model(config, weights, dtype, device, tp, model_class(config))
 
 
-__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "MODEL_CLASSES", "MoEForCausalLM", "SUPPORTED_ARCHITECTURES", "build_model",
+__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "MODEL_CLASSES", "MoEForCausalLM", "Olmo2ForCausalLM", "SUPPORTED_ARCHITECTURES", "build_model",
            "model_class"]

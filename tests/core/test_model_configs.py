@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from transformers import (GemmaConfig, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
-                          MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                          MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from radix_backend import Engine, SamplingParams
 from radix_backend.errors import ModelLoadError
@@ -19,7 +20,7 @@ from radix_backend.models.config_check import (GEMMA_FAMILIES, GEMMA_HONOURED, H
 from conftest import TINY_LONGROPE_ORIGINAL, TINY_WINDOW
 
 FAMILIES = [LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, GraniteConfig, GemmaConfig, Gemma2Config,
-            Gemma3TextConfig, Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig]
+            Gemma3TextConfig, Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig, Olmo2Config]
 
 
 @pytest.mark.parametrize("config_class", FAMILIES, ids=lambda c: c.__name__)

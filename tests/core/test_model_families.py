@@ -1,4 +1,4 @@
-"""Families beyond Llama (Gemma 1/2/3, mixtures of experts): tiny random checkpoints through the
+"""Families beyond Llama (Gemma 1/2/3, mixtures of experts, OLMo 2): tiny random checkpoints through the
 engine against HF transformers, with prompts longer than the sliding window, chunked and cached."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from radix_backend import Engine, SamplingParams
 from conftest import TINY_GEMMA_WINDOW
 
 FAMILIES = ["tiny_gemma_dir", "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_qwen2_moe_dir", "tiny_qwen3_moe_dir",
-            "tiny_mixtral_dir"]
+            "tiny_mixtral_dir", "tiny_olmo2_dir"]
 PROMPTS = ["Hello, my name is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25",
            "The quick brown fox jumps over the lazy dog. " * 4]
 NEW = 10
@@ -48,7 +48,8 @@ def test_greedy_tokens_and_logprobs_match_hf(fixture, request):
         assert all(o.meta.cached_tokens > 0 for o in again)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_mixtral_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_mixtral_dir", "tiny_qwen2_moe_dir",
+                                     "tiny_olmo2_dir"])
 def test_chunked_prefill_and_a_cached_prefix_past_the_window_give_the_cold_tokens(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     prompt = PROMPTS[-1]
@@ -59,7 +60,7 @@ def test_chunked_prefill_and_a_cached_prefix_past_the_window_give_the_cold_token
                 chunked_prefill_tokens=20) as chunked:
         assert chunked.generate(prompt, params).token_ids == cold[0].token_ids
         warm = chunked.generate(prompt + " And then", params)  # extends a cached prefix > window
-        assert warm.meta.cached_tokens > 32  # both models' windows
+        assert warm.meta.cached_tokens > 32  # longer than the windows (16, 32)
         assert warm.token_ids == cold[1].token_ids
 
 
@@ -148,7 +149,8 @@ def test_gemma_gguf_files_run_in_their_own_types_like_the_checkpoint(fixture, re
 def test_moe_gguf_files_run_their_experts_in_their_own_types(fixture, request, tmp_path):
     """The checkpoint as llama.cpp writes it (experts stacked per layer; Mixtral as a llama file with
     experts, which has no sliding window: the checkpoint here has none either): in F32 the
-    checkpoint's tokens, in Q8_0 every expert on the native low-bit kernel."""
+    checkpoint's tokens, also on the fp32 reference path; in Q8_0 every expert on the native
+    low-bit kernel."""
     import json
     import shutil
 
@@ -173,7 +175,6 @@ def test_moe_gguf_files_run_their_experts_in_their_own_types(fixture, request, t
     with Engine(str(q8), kv_cache_tokens=2048, device="cpu", quantization="auto") as engine:
         sparse = [layer.mlp for layer in engine.runner.model.layers if hasattr(layer.mlp, "experts")]
         assert 0 < len(sparse) <= layers
-        experts = sparse[0].experts
-        assert experts.gate_up_linears[0].kernels == [("Q8_0", "native low-bit")] * 2
+        assert sparse[0].experts.gate_up_linears[0].kernels == [("Q8_0", "native low-bit")] * 2
         first = [o.token_ids for o in engine.generate(input_ids=ids, params=params)]
         assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == first
