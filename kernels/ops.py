@@ -63,7 +63,7 @@ def fixed_order_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     BLAS promises that (oneDNN sums one row in another order than many; MKL's split over threads
     changes with the row count)."""
     flat = x.reshape(-1, weight.shape[1])
-    out = q4_matmul(flat, DenseWeight(weight, bias), threads=torch.get_num_threads())
+    out = q4_matmul(flat, DenseWeight(weight, bias), threads=settings.matmul_threads())
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -169,7 +169,7 @@ class Int4Linear(_LowBitLinear):
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_q4 is not None:
-            return q4.q4_matmul(x, self.native_q4, threads=torch.get_num_threads(),
+            return q4.q4_matmul(x, self.native_q4, threads=settings.matmul_threads(),
                                           activation_bits=activation_bits())
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, GROUP_SIZE,
                                                           self.scales_and_zeros)
@@ -226,9 +226,9 @@ class Int8Linear(_LowBitLinear):
 
     def _low_bit(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_q8_tiled is not None:
-            return q8.q8_tiled_matmul(x, self.native_q8_tiled, threads=torch.get_num_threads())
+            return q8.q8_tiled_matmul(x, self.native_q8_tiled, threads=settings.matmul_threads())
         if self.native_q8 is not None:
-            return q8.q8_matmul(x, self.native_q8, threads=torch.get_num_threads())
+            return q8.q8_matmul(x, self.native_q8, threads=settings.matmul_threads())
         return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.codes, self.scale)
 
     def extra_repr(self) -> str:
@@ -332,7 +332,7 @@ class GGUFLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         bits = self.fixed_activation_bits or activation_bits()
-        threads = torch.get_num_threads()
+        threads = settings.matmul_threads()
         if self.native_q4 is not None:
             out = q4.q4_matmul(flat, self.native_q4, threads=threads, activation_bits=bits)
         else:

@@ -52,3 +52,27 @@ def active(settings: KernelSettings) -> Iterator[KernelSettings]:
 def overridden(**changes: object):
     """The current settings with `changes`, for the duration of the block (tests, benchmarks)."""
     return active(replace(current(), **changes))  # type: ignore[arg-type]
+
+
+# Threads of our own native matmuls (their spin-then-sleep pool, csrc/thread_pool.c) for the step
+# being run; 0: torch's intra-op count. A small CPU step runs torch's ops on one thread (OpenMP's
+# hand-off costs more than a second thread gains there) but keeps every core for our matmuls.
+_matmul_threads: contextvars.ContextVar[int] = contextvars.ContextVar("matmul_threads", default=0)
+
+
+def matmul_threads() -> int:
+    """How many threads the native matmuls of this step split their rows over."""
+    import torch
+
+    return _matmul_threads.get() or torch.get_num_threads()
+
+
+@contextmanager
+def native_matmul_threads(threads: int) -> Iterator[int]:
+    """Run the block's native matmuls on `threads` threads, whatever torch's intra-op count."""
+    token = _matmul_threads.set(threads)
+    try:
+        yield threads
+    finally:
+        _matmul_threads.reset(token)
+

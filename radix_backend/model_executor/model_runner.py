@@ -262,7 +262,8 @@ class ModelRunner:
         torch.set_num_threads(1)
         self.model.head_threads = threads  # the LM head, one large matmul, still gets them all
         try:
-            return self._forward_local(batch)
+            with settings.native_matmul_threads(threads):  # and so do our own matmuls (no OpenMP hand-off)
+                return self._forward_local(batch)
         finally:
             self.model.head_threads = 0
             torch.set_num_threads(threads)
