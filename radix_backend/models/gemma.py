@@ -65,11 +65,8 @@ class GemmaAttention(Attention):
 
 
 class GemmaMLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(ops.gelu_tanh_and_mul(self.gate_up_proj(x).to(x.dtype))).to(x.dtype)
-        if self.all_reduce is not None:
-            self.all_reduce(out)
-        return out
+    def activate(self, gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return ops.gelu_tanh_and_mul(gate_up.to(x.dtype))
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -186,12 +186,13 @@ class MLP(nn.Module):
         self.all_reduce = all_reduce
         self.out_scale = residual_multiplier(config)
 
+    def activate(self, gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up. A quantized gate_up may hand back its dense GEMM's bf16 (no cast to x's
+        dtype and back): then SiLU is computed in fp32 and down_proj takes the bf16 directly."""
+        return ops.silu_and_mul(gate_up, fp32_math=gate_up.dtype != x.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        # a quantized gate_up may hand back its dense GEMM's bf16 (no cast to x's dtype and back):
-        # then the activation is computed in fp32 as before and down_proj takes the bf16 directly
-        act = ops.silu_and_mul(gate_up, fp32_math=gate_up.dtype != x.dtype)
-        out = self.down_proj(act).to(x.dtype)
+        out = self.down_proj(self.activate(self.gate_up_proj(x), x)).to(x.dtype)
         if self.out_scale != 1.0:
             out = out * self.out_scale
         if self.all_reduce is not None:
