@@ -25,7 +25,7 @@ from radix_backend.kernels import ops
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata, ScoreMask
 
 from .config_check import layer_windows, rope_by_layer_type, rope_kind, rope_parameters
-from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from .llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
 
 ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
@@ -69,10 +69,10 @@ class GemmaMLP(MLP):
         return ops.gelu_tanh_and_mul(gate_up.to(x.dtype))
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, config, layer_id: int, tp_size: int = 1,
                  all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = GemmaAttention(config, layer_id, tp_size, all_reduce)
         self.mlp = GemmaMLP(config, tp_size, all_reduce)
         eps = config.rms_norm_eps
@@ -84,16 +84,9 @@ class GemmaDecoderLayer(nn.Module):
             self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
     def forward(self, hidden, residual, positions, cos_sin, kv, backend, meta):
-        """(the block's output, the residual stream before it is added), as Llama's layers."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, cos_sin, kv, backend, meta)
         if not self.sandwich:
-            hidden, residual = self.post_attention_layernorm(hidden, residual)
-            return self.mlp(hidden), residual
+            return super().forward(hidden, residual, positions, cos_sin, kv, backend, meta)
+        hidden, residual = self.attend(hidden, residual, positions, cos_sin, kv, backend, meta)
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 

@@ -210,14 +210,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden, residual, positions, cos_sin, kv, backend, meta):
+        """(the MLP's output, the residual stream it is to be added to): the next layer's input
+        norm adds them (fused with the norm)."""
+        hidden, residual = self.attend(hidden, residual, positions, cos_sin, kv, backend, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def attend(self, hidden, residual, positions, cos_sin, kv, backend, meta):
+        """The previous layer's output added to the stream, normed, through attention:
+        (attention output, the stream)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, cos_sin, kv, backend, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.self_attn(hidden, positions, cos_sin, kv, backend, meta), residual
 
 
 class LlamaForCausalLM(nn.Module):
