@@ -4,8 +4,9 @@ Small CPU decode steps pay more for ~15 torch ops per layer (Python calls, alloc
 hand-offs, the casts around torch's low-bit kernels) than for streaming the weights. `DecodeStack`
 hands every layer's norms, linears, RoPE, K/V write and attention over the paged pool to C at once,
 on fp32 activations and either the GGUF's own low-bit weights or the fp32 reference path's dense
-ones. It serves decode steps only (one new token per request) of Llama-style layers without q/k
-norms; the caller keeps the torch path for the rest. The weight layouts and matmuls it shares with
+ones. It serves decode steps only (one new token per request) of Llama-style layers, with q/k norms
+per head (Qwen3) or not, and with a dense or a routed MLP (`moe_experts`); the caller keeps the
+torch path for the rest. The weight layouts and matmuls it shares with
 the torch path's linears live in `q4.py`.
 """
 
@@ -17,15 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .q4 import DenseWeight, PackedQ4, Q4WeightStruct
-
-NativeWeight = PackedQ4 | DenseWeight
+from .moe_experts import MoEBlockStruct, NativeExperts, NativeWeight
+from .q4 import Q4WeightStruct
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", Q4WeightStruct),
                 ("o", Q4WeightStruct), ("gate_up", Q4WeightStruct), ("down", Q4WeightStruct),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(MoEBlockStruct))]
 
 
 class _Dims(ctypes.Structure):
@@ -35,13 +36,26 @@ class _Dims(ctypes.Structure):
 
 
 @dataclass
+class RoutedMLP:
+    """A layer's mixture-of-experts MLP: its router [experts, hidden] and experts."""
+
+    router: NativeWeight
+    experts: NativeExperts
+    top_k: int
+    renormalise: bool
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden] fp32
     post_norm: torch.Tensor
     qkv: NativeWeight  # q, k, v heads stacked (one weight, or a chain of three)
     o: NativeWeight
-    gate_up: NativeWeight  # gate then up
-    down: NativeWeight
+    gate_up: NativeWeight | None  # gate then up (None with `moe`)
+    down: NativeWeight | None
+    q_norm: torch.Tensor | None = None  # [head_dim] fp32, per head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
+    moe: RoutedMLP | None = None
 
 
 class DecodeStack:
@@ -55,13 +69,24 @@ class DecodeStack:
         self.max_tokens = max_tokens  # the largest step the caller should hand over (where it pays)
         self.cos_sin = cos_sin.contiguous()
         hidden = layers[0].input_norm.numel()
-        self._dims = _Dims(hidden, heads, kv_heads, head_dim, layers[0].down.in_features, eps, scale,
-                           self.cos_sin.data_ptr())
+        intermediate = max((w.down.in_features for w in layers if w.moe is None), default=0)
+        self._dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, self.cos_sin.data_ptr())
         self._structs = (_Layer * len(layers))()
-        for s, w in zip(self._structs, layers):
+        self._blocks = [w.moe.experts.block(w.moe.router, w.moe.top_k, w.moe.renormalise) if w.moe else None
+                        for w in layers]
+        for s, w, block in zip(self._structs, layers, self._blocks):
+            if (w.moe is None) == (w.gate_up is None or w.down is None):
+                raise ValueError("a layer has either gate_up and down or a routed MLP")
             s.input_norm, s.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
-            s.qkv, s.o, s.gate_up, s.down = (w.qkv.as_struct(), w.o.as_struct(), w.gate_up.as_struct(),
-                                             w.down.as_struct())
+            s.qkv, s.o = w.qkv.as_struct(), w.o.as_struct()
+            if block is None:
+                s.gate_up, s.down = w.gate_up.as_struct(), w.down.as_struct()
+            else:
+                s.moe = ctypes.pointer(block)
+            if (w.q_norm is None) != (w.k_norm is None):
+                raise ValueError("q and k norms come together")
+            if w.q_norm is not None:
+                s.q_norm, s.k_norm = w.q_norm.data_ptr(), w.k_norm.data_ptr()
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

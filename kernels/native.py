@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "decode_stack.c", CSRC / "q8_matmul.c",
-           CSRC / "q4_matmul.c", CSRC / "f32_matmul.c", CSRC / "thread_pool.c")
-HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "q16.h", CSRC / "q4.h", CSRC / "thread_pool.h")
+           CSRC / "q4_matmul.c", CSRC / "f32_matmul.c", CSRC / "moe.c", CSRC / "thread_pool.c")
+HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "moe.h", CSRC / "q16.h", CSRC / "q4.h",
+           CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -58,6 +59,8 @@ _SIGNATURES = {
     "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
     "rb_q8_tiled_supported": ([], ctypes.c_int),
     "rb_q8_tiled_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
+    "rb_moe_route": ([_P, _I, _I, _I, _I, _P, _P], None),
+    "rb_moe_experts": ([_P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _I], ctypes.c_int),
     "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
 }
 

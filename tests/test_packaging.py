@@ -145,8 +145,8 @@ def test_wheel_layout(wheel: Path, source: Path) -> None:
                 missing.append(f"{src_dir}/{rel}")
     assert not missing, f"source modules missing from the wheel (add their packages to pyproject): {missing}"
     # data files the code reads at run time
-    for c_file in ("cpu_kernels.c", "cpu_kernels.h", "decode_stack.c", "q8_matmul.c", "q16.h", "thread_pool.c",
-                   "thread_pool.h"):
+    for c_file in ("cpu_kernels.c", "cpu_kernels.h", "decode_stack.c", "moe.c", "moe.h", "q8_matmul.c", "q16.h",
+                   "thread_pool.c", "thread_pool.h"):
         assert f"radix_backend/kernels/csrc/{c_file}" in names, f"the native kernels' C source {c_file} is not packaged"
 
 

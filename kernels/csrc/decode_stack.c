@@ -9,6 +9,7 @@
    reference's on the same weights) or, for larger steps where the integer work dominates, as
    8-bit ones (q4.h). */
 #include "cpu_kernels.h"
+#include "moe.h"
 #include "q4.h"
 #include "thread_pool.h"
 
@@ -20,6 +21,8 @@ typedef struct {
     const float *input_norm, *post_norm; /* [hidden] RMSNorm weights */
     rb_q4_weight qkv, o, gate_up, down;  /* qkv: q, k, v heads stacked; gate_up: gate, up */
     float *k_cache, *v_cache;            /* this layer's pool [slots, kv_heads, head_dim] */
+    const float *q_norm, *k_norm;        /* [head_dim] RMSNorm weights per head before RoPE, or NULL */
+    const rb_moe_block *moe;             /* a routed MLP instead of gate_up/down, or NULL */
 } rb_decoder_layer;
 
 typedef struct {
@@ -35,6 +38,7 @@ typedef struct {
    adds the two). The linears split their rows, and attention its requests (or a long request's
    keys), over `threads` threads; the linears' activations are `activation_bits` (8 or 16) integers;
    `invariant`: attention gives each row the extend kernel's bits (extend_attention.c).
+   Layers may norm q and k per head (Qwen3) and may route their MLP over experts (`moe`, moe.c).
    Returns 0, -1 if memory ran out, -2 for other activation bits. */
 int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_decoder_dims *d, int64_t T,
                     const int64_t *positions, const int64_t *out_slots, const int64_t *kv_indices,
@@ -44,19 +48,31 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
     const int64_t qkv_size = q_size + 2 * kv_size, I = d->intermediate;
     const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
     if (activation_bits != 8 && activation_bits != 16) return -2;
-    float *scratch = (float *)malloc(sizeof(float) * T * (H + qkv_size + 2 * q_size + 3 * I));
+    int64_t experts = 0, top_k = 0; /* the widest routed block's router outputs and picks */
+    for (int64_t l = 0; l < n_layers; l++)
+        if (layers[l].moe) {
+            experts = layers[l].moe->experts > experts ? layers[l].moe->experts : experts;
+            top_k = layers[l].moe->top_k > top_k ? layers[l].moe->top_k : top_k;
+        }
+    float *scratch = (float *)malloc(sizeof(float) * T * (H + qkv_size + 2 * q_size + 3 * I + experts));
+    int64_t *picks = (int64_t *)malloc(sizeof(int64_t) * T * top_k * 2 + 1); /* ids, then fp32 weights */
     q4_activations quantized;
-    if (!scratch || q4_activations_alloc(&quantized, T, widest, (int)(activation_bits / 8))) {
-        free(scratch);
+    if (!scratch || !picks || q4_activations_alloc(&quantized, T, widest, (int)(activation_bits / 8))) {
+        free(scratch), free(picks);
         return -1;
     }
     float *normed = scratch, *qkv = normed + T * H, *q = qkv + T * qkv_size, *attn = q + T * q_size;
-    float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * I;
+    float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * I, *route = act + T * I;
     int rc = 0;
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         const rb_decoder_layer *L = layers + l;
         rb_add_rms_norm(l ? hidden : NULL, residual, L->input_norm, T, H, d->eps, normed, l ? residual : NULL);
         q4_linear(&L->qkv, normed, T, &quantized, qkv, threads);
+        for (int64_t t = 0; L->q_norm && t < T; t++) { /* Qwen3: each head normed in place */
+            float *row = qkv + t * qkv_size;
+            rb_add_rms_norm(NULL, row, L->q_norm, d->heads, D, d->eps, row, NULL);
+            rb_add_rms_norm(NULL, row + q_size, L->k_norm, d->kv_heads, D, d->eps, row + q_size, NULL);
+        }
         rb_rope(qkv, qkv_size, T, d->heads, D, positions, d->cos_sin, D, q);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_size;
@@ -69,11 +85,19 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             attn, NULL, threads);
         q4_linear(&L->o, attn, T, &quantized, hidden, threads);
         rb_add_rms_norm(hidden, residual, L->post_norm, T, H, d->eps, normed, residual);
+        if (L->moe) {
+            const rb_moe_block *M = L->moe;
+            q4_linear(M->router, normed, T, &quantized, route, threads);
+            rb_moe_route(route, T, M->experts, M->top_k, M->renormalise, picks, (float *)(picks + T * M->top_k));
+            rc = rb_moe_experts(M->gate_up, M->down, M->experts, normed, T, picks, (float *)(picks + T * M->top_k),
+                                M->top_k, hidden, threads, activation_bits);
+            continue;
+        }
         q4_linear(&L->gate_up, normed, T, &quantized, gate_up, threads);
         rb_silu_and_mul(gate_up, T, I, act);
         q4_linear(&L->down, act, T, &quantized, hidden, threads);
     }
     q4_activations_free(&quantized);
-    free(scratch);
+    free(scratch), free(picks);
     return rc;
 }

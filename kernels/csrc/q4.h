@@ -92,6 +92,10 @@ void f32_linear(const rb_q4_weight *w, const float *x, int64_t M, float *y, int6
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
                int64_t threads);
 
+/* y [count, N]: row i = x row i @ ws[i]^T (+ bias), every ws[i] low-bit, unchained, [N, K] */
+void q4_linear_rows(const rb_q4_weight *const *ws, int64_t count, const float *x, q4_activations *scratch,
+                    float *y, int64_t threads);
+
 /* 4 activation digits as one int32, to broadcast against 4 features of every weight row */
 static inline int32_t load_i32(const int8_t *p) {
     int32_t v;

@@ -522,6 +522,42 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
     }
 }
 
+/* Row i of the activations times its own weight ws[i] (all of one shape, no chains): one
+   token's routed experts (moe.c), each expert's down projection on that expert's hidden row. */
+typedef struct {
+    const rb_q4_weight *const *ws;
+    const q4_activations *x;
+    int64_t count, width;
+    float *y;
+} q4_rows_job;
+
+static void q4_rows_part(void *ctx, int64_t part, int64_t parts) {
+    const q4_rows_job *job = (const q4_rows_job *)ctx;
+    const int64_t per = job->width / Q4_ROWS, blocks = per * job->count;
+    const int64_t first = blocks * part / parts, last = blocks * (part + 1) / parts;
+    for (int64_t block = first; block < last; block++) {
+        const int64_t i = block / per, b = block % per;
+        const rb_q4_weight *w = job->ws[i];
+        const int64_t groups = w->in / 32;
+        const uint8_t *codes = w->codes + b * groups * 4 * Q4_ROWS * 4;
+        const uint8_t *high = w->high ? w->high + b * groups * w->high_bits * 64 : NULL;
+        const uint8_t *params = (const uint8_t *)w->params + b * groups * q4_param_stride(w);
+        const _Float16 *super = w->super ? w->super + b * (groups / 8) * 2 * Q4_ROWS : NULL;
+        float out[TILE * Q4_ROWS];
+        q4_rows(w, codes, high, params, super, job->x, i, 1, groups, out);
+        float *yi = job->y + i * job->width + b * Q4_ROWS;
+        for (int r = 0; r < Q4_ROWS; r++) yi[r] = out[r] + (w->bias ? w->bias[b * Q4_ROWS + r] : 0.f);
+    }
+}
+
+void q4_linear_rows(const rb_q4_weight *const *ws, int64_t count, const float *x, q4_activations *scratch,
+                    float *y, int64_t threads) {
+    scratch->offset_digits = 0;
+    q4_quantize(x, count, ws[0]->in, scratch, threads);
+    q4_rows_job job = {ws, scratch, count, ws[0]->out, y};
+    rb_parallel(q4_rows_part, &job, threads);
+}
+
 /* The smallest 8-bit code (Q8_0 code + 128) this build multiplies exactly: 1 on AVX2 without VNNI
    (signed_group_dots), else 0 */
 #ifndef SIGNED_8BIT_CODES

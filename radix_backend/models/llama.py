@@ -25,7 +25,8 @@ from torch import nn
 
 from radix_backend.kernels import ops, quant, settings
 from radix_backend.kernels.attention_base import PLAIN, AttentionBackend, AttentionMetadata, ScoreMask
-from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights, NativeWeight
+from radix_backend.kernels.decode_stack import DecodeStack, LayerWeights
+from radix_backend.kernels.moe_experts import NativeWeight
 from radix_backend.kernels.q4 import DenseWeight
 
 from .config_check import layer_windows, rope_kind, rope_parameters
@@ -319,26 +320,33 @@ class LlamaForCausalLM(nn.Module):
     def build_decode_stack(self) -> bool:
         """Let small decode steps run every layer in one native call (kernels/decode_stack.py):
         possible when every linear has a native form (natively packed low-bit weights, or fp32
-        `nn.Linear`s on the CPU) and the layers are plain Llama ones (no q/k norms, one process).
-        Returns whether it was set up."""
+        `nn.Linear`s on the CPU), the layers are Llama ones (pre-norms, q/k norms or none, SiLU
+        MLPs dense or routed, whole-head RoPE) and one process runs them. Returns whether it was
+        set up."""
         attn = self.layers[0].self_attn
-        if attn.qk_norm or self.tp_size != 1 or self.cos_sin_cache.shape[-1] != attn.head_dim or attn.out_scale != 1.0:
-            return False  # the stack's layers have no q/k norms or output scales and rotate whole heads
+        if self.tp_size != 1 or self.cos_sin_cache.shape[-1] != attn.head_dim or attn.out_scale != 1.0:
+            return False  # the stack rotates whole heads and has no output scales
         weights = []
         for layer in self.layers:
-            packed = [_native_weight(lin) for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-            if any(p is None for p in packed):
+            a = layer.self_attn
+            qkv, o, mlp = _native_weight(a.qkv_proj), _native_weight(a.o_proj), self.stack_mlp(layer)
+            if qkv is None or o is None or mlp is None:
                 return False
-            weights.append(LayerWeights(layer.input_layernorm.weight.detach().float().contiguous(),
-                                        layer.post_attention_layernorm.weight.detach().float().contiguous(),
-                                        *packed))
+            norms = {"q_norm": _norm_weight(a.q_norm), "k_norm": _norm_weight(a.k_norm)} if a.qk_norm else {}
+            weights.append(LayerWeights(_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
+                                        qkv, o, **norms, **mlp))
         dense = any(isinstance(w, DenseWeight) for layer in weights for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                                         head_dim=attn.head_dim, eps=self.layers[0].input_layernorm.eps,
                                         scale=attn.scale, cos_sin=self.cos_sin_cache.float(),
                                         max_tokens=DENSE_DECODE_STACK_MAX_TOKENS if dense else DECODE_STACK_MAX_TOKENS)
         return True
+
+    @staticmethod
+    def stack_mlp(layer: nn.Module) -> dict | None:
+        """A layer's MLP as the decode stack's LayerWeights fields, or None where it has no native form."""
+        gate_up, down = _native_weight(layer.mlp.gate_up_proj), _native_weight(layer.mlp.down_proj)
+        return None if gate_up is None or down is None else {"gate_up": gate_up, "down": down}
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head_quant is not None:
@@ -448,6 +456,10 @@ class LlamaForCausalLM(nn.Module):
         would lose precision)."""
         self.cos_sin_cache = rope_cos_sin_cache(self.config, self.layers[0].self_attn.head_dim,
                                                 self.config.max_position_embeddings).to(device)
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    return norm.weight.detach().float().contiguous()
 
 
 def _native_weight(linear: nn.Module) -> NativeWeight | None:

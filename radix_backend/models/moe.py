@@ -22,7 +22,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from radix_backend.kernels import ops
+from radix_backend.kernels import moe_experts, native, ops, q4, quant, settings
+from radix_backend.kernels.decode_stack import RoutedMLP
+from radix_backend.kernels.moe_experts import NativeExperts, NativeWeight
+from radix_backend.kernels.q4 import DenseWeight
 
 from .llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
 
@@ -105,6 +108,21 @@ class Experts(nn.Module):
         return out
 
 
+def _router_weight(gate: nn.Module) -> NativeWeight | None:
+    """The router's native form: its packed low-bit weights, or its fp32 weights as they are (a
+    GGUF's F32 router, or an fp32 `Linear`)."""
+    packed = getattr(gate, "native_q4", None)
+    if packed is not None:
+        return packed
+    runners = getattr(gate, "runners", None)
+    if isinstance(gate, quant.GGUFLinear) and len(runners) == 1 and isinstance(runners[0], tuple):
+        weight, bias = runners[0]
+        return DenseWeight(weight, bias)
+    if type(gate) is Linear and gate.weight.dtype == torch.float32 and gate.weight.device.type == "cpu":
+        return DenseWeight(gate.weight, gate.bias)
+    return None
+
+
 class SparseMoE(nn.Module):
     """The routed MLP of one layer (HF names: `mlp.gate`, `mlp.experts`, Qwen2-MoE's `mlp.shared_expert`
     and `mlp.shared_expert_gate`)."""
@@ -122,13 +140,38 @@ class SparseMoE(nn.Module):
         shared = getattr(config, "shared_expert_intermediate_size", None) if config.model_type == "qwen2_moe" else None
         self.shared_expert = MLP(config, intermediate_size=shared) if shared else None
         self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if shared else None
+        self._native: RoutedMLP | None | bool = False  # False: not looked at yet
+
+    def native_block(self) -> RoutedMLP | None:
+        """The router and experts on the native kernels (`kernels/moe_experts.py`), when the experts
+        are natively packed low-bit linears (a GGUF's) and the router has a native form."""
+        if self._native is False:
+            self._native = None
+            router, experts = _router_weight(self.gate), self.experts
+            if router is not None and experts.gate_up_linears is not None and native.available():
+                gate_up = [getattr(lin, "native_q4", None) for lin in experts.gate_up_linears]
+                down = [getattr(lin, "native_q4", None) for lin in experts.down_linears]
+                if all(w is not None for w in gate_up + down):
+                    try:
+                        self._native = RoutedMLP(router, NativeExperts(gate_up, down), self.top_k, self.renormalise)
+                    except ValueError:  # padded rows: the per-expert linears run as they are
+                        self._native = None
+        return self._native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalise:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.experts(x, expert_ids, weights.to(x.dtype))
+        block = self.native_block() if native.supports(x) else None
+        if block is not None:  # the decode stack's kernels, so both paths give the same bits
+            threads, bits = settings.matmul_threads(), quant.activation_bits()
+            flat = x.reshape(-1, x.shape[-1])
+            logits = q4.q4_matmul(flat, block.router, threads=threads, activation_bits=bits)
+            expert_ids, weights = moe_experts.route(logits, self.top_k, self.renormalise)
+            out = block.experts(flat, expert_ids, weights, threads=threads, activation_bits=bits).view_as(x)
+        else:
+            probs = torch.softmax(self.gate(x).float(), dim=-1)
+            weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.renormalise:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            out = self.experts(x, expert_ids, weights.to(x.dtype))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -151,8 +194,15 @@ class MoEForCausalLM(LlamaForCausalLM):
     def make_layer(config, layer_id: int, tp_size: int, all_reduce) -> nn.Module:
         return MoEDecoderLayer(config, layer_id, tp_size, all_reduce)
 
-    def build_decode_stack(self) -> bool:
-        return False  # the one-call stack runs dense MLPs
+    @staticmethod
+    def stack_mlp(layer: nn.Module) -> dict | None:
+        """A routed layer joins the decode stack with its native router and experts (no shared expert)."""
+        if not isinstance(layer.mlp, SparseMoE):
+            return LlamaForCausalLM.stack_mlp(layer)
+        block = layer.mlp.native_block()
+        if block is None or layer.mlp.shared_expert is not None:
+            return None
+        return {"gate_up": None, "down": None, "moe": block}
 
     def load_special_weight(self, name: str, tensor: torch.Tensor, params: dict[str, torch.Tensor]) -> list[str]:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's published name of the block

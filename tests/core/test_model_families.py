@@ -158,3 +158,42 @@ def test_gguf_files_of_each_family_run_in_their_own_types(fixture, request, tmp_
             assert sparse[0].experts.gate_up_linears[0].kernels == [("Q8_0", "native low-bit")] * 2
         first = [o.token_ids for o in engine.generate(input_ids=ids, params=params)]
         assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == first
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir"])
+def test_moe_decode_steps_run_the_native_stack_with_the_per_layer_bits(fixture, request, tmp_path, monkeypatch):
+    """A quantized MoE file: small decode steps run every layer, router and picked experts included,
+    in one native call (kernels/csrc/moe.c inside decode_stack.c), and give the per-layer path's
+    tokens and logprobs, one request at a time and three at once."""
+    import json
+    import shutil
+
+    from gguf_files import hf_to_gguf
+
+    from radix_backend.kernels.decode_stack import DecodeStack
+
+    model_dir = tmp_path / "hf"
+    shutil.copytree(request.getfixturevalue(fixture), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **GGUF_CHECKPOINT_CHANGES[fixture](config)}))
+    path = hf_to_gguf(model_dir, tmp_path / "q4_0.gguf", "Q4_0")
+    calls: list[int] = []
+    run = DecodeStack.run
+    monkeypatch.setattr(DecodeStack, "run", lambda self, x, *a, **k: calls.append(x.shape[0]) or run(self, x, *a, **k))
+    params = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True, logprobs=True)
+    with Engine(str(path), kv_cache_tokens=2048, device="cpu", quantization="auto", speculative=False) as engine:
+        model = engine.runner.model
+        assert engine.runner.quantization.decode_stack and model.decode_stack is not None
+        assert all(layer.moe is not None for layer in model.decode_stack.layers)
+        ids = [engine.encode(p) for p in PROMPTS[:2]]
+        stacked = [engine.generate(input_ids=i, params=params) for i in ids] + engine.generate(input_ids=ids,
+                                                                                               params=params)
+        assert calls and max(calls) == 2
+        model.decode_stack = None
+        engine.flush_cache()
+        layered = [engine.generate(input_ids=i, params=params) for i in ids] + engine.generate(input_ids=ids,
+                                                                                               params=params)
+    for got, want in zip(stacked, layered):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
+                                   torch.tensor([lp.logprob for lp in want.logprobs]), atol=1e-5, rtol=1e-5)

@@ -201,13 +201,15 @@ def _stack_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def test_stack_equals_the_per_layer_path(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_stack_equals_the_per_layer_path(fixture, request, monkeypatch):
     """Same 4-bit weights, same native ops: one call for all layers gives the per-layer path's
-    greedy tokens and logprobs, for one request and for a few at once, and fills the same cache."""
+    greedy tokens and logprobs, for one request and for a few at once, and fills the same cache
+    (Qwen3: with its q/k norms per head)."""
     calls = _stack_calls(monkeypatch)
     params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True)
     prompts = ["The quick brown fox", "A radix tree stores", "Once upon a time"]
-    with Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="int4") as eng:
+    with Engine(str(request.getfixturevalue(fixture)), kv_cache_tokens=2048, quantization="int4") as eng:
         assert eng.runner.quantization.decode_stack and eng.runner.model.decode_stack is not None
         stacked = [eng.generate(p, params) for p in prompts] + eng.generate(prompts, params)
         assert calls and max(calls) > 1  # batch-1 and batch-3 decode steps went through the stack
@@ -241,12 +243,6 @@ def test_fp32_path_runs_its_dense_weights_in_the_stack(tiny_llama_dir, monkeypat
         assert got.token_ids == want.token_ids
         torch.testing.assert_close(torch.tensor([lp.logprob for lp in got.logprobs]),
                                    torch.tensor([lp.logprob for lp in want.logprobs]), atol=1e-5, rtol=1e-5)
-
-
-def test_qk_norm_models_keep_the_per_layer_path(tiny_qwen3_dir):
-    with Engine(str(tiny_qwen3_dir), kv_cache_tokens=1024, quantization="int4") as eng:
-        assert eng.runner.model.decode_stack is None and not eng.runner.quantization.decode_stack
-        assert eng.generate("Hello", SamplingParams(max_new_tokens=3, temperature=0)).token_ids
 
 
 @pytest.mark.slow
