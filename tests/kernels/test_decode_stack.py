@@ -269,3 +269,56 @@ def test_smollm2_decode_runs_the_stack_and_tracks_fp32(monkeypatch):
                 continue
             mine, best = ref.score(ids + ours[:part], [[ours[part]], [theirs[part]]])
             assert best.token_logprobs[0] - mine.token_logprobs[0] < 0.5, (part, ours[part], theirs[part])
+
+
+
+def test_speculative_rows_of_one_request_run_in_the_stack(monkeypatch):
+    """A drafted request's verification rows are decode rows: at batch 1 the stack gets several
+    rows per step, and the tokens are plain decoding's."""
+    calls = _stack_calls(monkeypatch)
+    prompt = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta alpha beta"
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    with Engine(kv_cache_tokens=4096, quantization="auto") as eng:
+        assert eng.scheduler.speculative
+        spec = eng.generate(prompt, params).token_ids
+        eng.scheduler.set_speculative(False)
+        eng.flush_cache()
+        plain = eng.generate(prompt, params).token_ids
+    assert spec == plain and max(calls) > 1
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set variants")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_other_instruction_sets_compute_the_same(tmp_path, march):
+    """The CPU varies between machines: the AVX2-without-VNNI path (haswell) and the portable C
+    path (x86-64) give this machine's results up to float summation order."""
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native.FLAGS)
+    try:
+        lib = native.declare(ctypes.CDLL(str(native.build(native._compiler(), tmp_path, flags))))
+    except OSError as exc:  # built for a CPU feature this one lacks (haswell on a pre-AVX2 CPU)
+        pytest.skip(f"cannot load the {march} build here: {exc}")
+    q = random_q4(64, 192, seed=9)
+    packed4 = q4.pack_q4(q.codes, q.scale, q.minimum, torch.randn(64))
+    packed8 = q8.q8_0_codes(torch.randn(48, 192, generator=torch.Generator().manual_seed(10)))
+    x = torch.randn(6, 192, generator=torch.Generator().manual_seed(11))
+    got4, got8 = torch.empty(6, 64), torch.empty(6, 48)
+    for bits in (16, 8):
+        assert lib.rb_q4_matmul(ctypes.byref(packed4.as_struct()), x.data_ptr(), 6, got4.data_ptr(), 2, bits) == 0
+        torch.testing.assert_close(got4, q4.q4_matmul(x, packed4, activation_bits=bits), rtol=1e-5, atol=1e-5)
+    dense = q4.DenseWeight(torch.randn(21, 192, generator=torch.Generator().manual_seed(13)), torch.randn(21))
+    got_dense = torch.empty(6, 21)
+    assert lib.rb_q4_matmul(ctypes.byref(dense.as_struct()), x.data_ptr(), 6, got_dense.data_ptr(), 2, 16) == 0
+    torch.testing.assert_close(got_dense, q4.q4_matmul(x, dense), rtol=1e-5, atol=1e-5)
+    assert lib.rb_q8_matmul(ctypes.byref(packed8.as_struct()), x.data_ptr(), 6, got8.data_ptr(), 2) == 0
+    torch.testing.assert_close(got8, q8.q8_matmul(x, packed8), rtol=1e-5, atol=1e-5)
+    # extend attention, whose vector code is 16 floats wide with AVX-512 and 8 otherwise
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache = torch.randn(300, 2, 80, generator=gen), torch.randn(300, 2, 80, generator=gen)
+    q = torch.randn(90, 6, 80, generator=gen)
+    index_args = [torch.randperm(300, generator=gen)[:250], torch.tensor([0, 20]), torch.tensor([20, 70]),
+                  torch.tensor([0, 100]), torch.tensor([100, 150])]
+    got = torch.empty_like(q)
+    assert lib.rb_extend_attention(*(t.data_ptr() for t in (q, k_cache, v_cache, *index_args)), 2, 2, 3, 80, 0.1, 1,
+                                   got.data_ptr(), None, 2) == 0
+    want, _ = native.extend_attention(q, k_cache, v_cache, *index_args, 0.1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
