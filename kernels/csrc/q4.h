@@ -67,50 +67,24 @@ static inline int64_t q4_param_stride(const rb_q4_weight *w) {
 }
 
 /* Activations as integers per group of 32, scaled so the group's largest magnitude is the
-   format's largest value: 8 bits (planes = 1, llama.cpp's Q8_0 / Q8_1 blocks: each value within
-   0.4 % of the group's largest, a product within ~5e-3, about twice bf16's error, at half the
-   integer work) or 16 bits as two int8 digits (planes = 2, high then low: ~1.5e-5, for the fp32
-   reference's accuracy). With every group: its scale and the sum of its rounded values (scale *
-   sum q: with the rounded sum, the minimum term's error partly cancels the codes', which halves
-   the 8-bit error against the exact sum).
-
-   8 bits round as llama.cpp's CPU backend rounds the activations of the same GGUF types, so a
-   file gives llama.cpp's products (up to float summation order): a group's scale is
-   fp16(max|x| / 127) (Q8_0 and Q8_1 store it so) and Q4_1/Q5_1 weights take Q8_1's
-   fp16(max|x| / 127 * sum q) as the sum (`sum_q81`); K-quant weights take Q8_K's blocks of 256
-   (`*_k`): one scale for the block, 1 / (-127 / x_m) where x_m is the block's value of largest
-   magnitude, so the block's digits are round(-127 x / x_m). q4_quantize fills the sets the
-   weight chain uses. */
+   format's largest value: 8 bits (planes = 1, llama.cpp's Q8_1 idea: each value within 0.4 % of
+   the group's largest, a product within ~5e-3, about twice bf16's error, at half the integer
+   work) or 16 bits as two int8 digits (planes = 2, high then low: ~1.5e-5, for the fp32
+   reference's accuracy). With every group: its scale and the sum of
+   its rounded values (scale * sum q: with the rounded sum, the minimum term's error partly
+   cancels the codes', which halves the 8-bit error against the exact sum). */
 typedef struct {
     int8_t *digits;      /* [M, K / 32, planes, 32] */
     float *scale, *sum;  /* [M, K / 32] */
     float *sum16;        /* [M, K / 32, 2]: scale * sum q over features 0..15 and 16..31 */
     int planes;
     int offset_digits;   /* digits stored + 128 (as uint8), for signed weights (q8_matmul.c) */
-    float *sum_q81;      /* [M, K / 32] (8 bits) */
-    int8_t *digits_k;    /* the Q8_K set (8 bits, K % 256 == 0): [M, K / 32, 32] */
-    float *scale_k, *sum_k, *sum16_k;
 } q4_activations;
-
-/* The activations a weight of the chain takes (the K-quants' Q8_K set, Q8_1's sums, or `x`) */
-static inline q4_activations q4_activations_for(const q4_activations *x, const struct rb_q4_weight *w) {
-    q4_activations view = *x;
-    if (x->planes != 1) return view;
-    if (w->params_kind == Q4_PARAMS_K) {
-        view.digits = x->digits_k, view.scale = x->scale_k, view.sum = x->sum_k, view.sum16 = x->sum16_k;
-    } else if (w->layout == Q4_SCALE_MIN && w->params_kind == Q4_PARAMS_F16) {
-        view.sum = x->sum_q81;
-    }
-    return view;
-}
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes);
 void q4_activations_free(q4_activations *x);
-/* x [M, K] into `out` (allocated for >= M rows of >= K features), on up to `threads` threads:
-   the per-32 set (and Q8_1's sums), and with 8 bits the Q8_K set where the chain `w` (or NULL)
-   holds K-quants */
-void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads,
-                 const struct rb_q4_weight *w);
+/* x [M, K] into `out` (allocated for >= M rows of >= K features), on up to `threads` threads */
+void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads);
 /* the same for a chain of dense fp32 weights (f32_matmul.c) */
 void f32_linear(const rb_q4_weight *w, const float *x, int64_t M, float *y, int64_t threads);
 /* y [M, N] = x [M, K] @ W^T (+ bias), N over the chain (`next`): x quantized into `scratch`

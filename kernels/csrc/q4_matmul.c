@@ -21,17 +21,11 @@
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
     const int64_t groups = M * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
-    const int64_t k_bytes = planes == 1 ? bytes : 0, floats = (planes == 1 ? 9 : 5) * groups;
-    x->digits = (int8_t *)aligned_alloc(64, 64 + bytes + k_bytes + ((sizeof(float) * floats + 63) / 64) * 64); /* 64: never 0 */
+    x->digits = (int8_t *)aligned_alloc(64, 64 + bytes + ((4 * sizeof(float) * groups + 63) / 64) * 64); /* 64: never 0 */
     if (!x->digits) return -1;
-    x->digits_k = planes == 1 ? x->digits + bytes : NULL;
-    x->scale = (float *)(x->digits + bytes + k_bytes);
+    x->scale = (float *)(x->digits + bytes);
     x->sum = x->scale + groups;
     x->sum16 = x->sum + groups;
-    x->sum_q81 = x->sum16 + 2 * groups;
-    x->scale_k = planes == 1 ? x->sum_q81 + groups : NULL;
-    x->sum_k = planes == 1 ? x->scale_k + groups : NULL;
-    x->sum16_k = planes == 1 ? x->sum_k + groups : NULL;
     x->planes = planes;
     x->offset_digits = 0;
     return 0;
@@ -56,19 +50,9 @@ static inline void store_digits(const int32_t q[32], int planes, int offset, int
     }
 }
 
-/* the group's scale, sums and Q8_1 sum from its digits' sums (q4.h: 8 bits store fp16 scales) */
-static inline void group_sums(float amax, int32_t largest, int32_t sa, int32_t sb, float *scale, float *sum,
-                              float *sum16, float *sum_q81) {
-    const float d = amax / (float)largest;
-    *scale = largest == Q8_MAX ? (float)(_Float16)d : d;
-    *sum = *scale * (float)(sa + sb);
-    sum16[0] = *scale * (float)sa, sum16[1] = *scale * (float)sb;
-    *sum_q81 = largest == Q8_MAX ? (float)(_Float16)(d * (float)(sa + sb)) : *sum;
-}
-
 #if defined(__AVX512F__)
 static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
-                           float *sum, float *sum16, float *sum_q81) {
+                           float *sum, float *sum16) {
     const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? (float)largest / amax : 0.f);
@@ -78,7 +62,10 @@ static void quantize_group(const float *x, int32_t largest, int planes, int offs
     int32_t q[32];
     _mm512_storeu_si512((void *)q, qa);
     _mm512_storeu_si512((void *)(q + 16), qb);
-    group_sums(amax, largest, _mm512_reduce_add_epi32(qa), _mm512_reduce_add_epi32(qb), scale, sum, sum16, sum_q81);
+    *scale = amax / (float)largest;
+    const int32_t sa = _mm512_reduce_add_epi32(qa), sb = _mm512_reduce_add_epi32(qb);
+    *sum = *scale * (float)(sa + sb);
+    sum16[0] = *scale * (float)sa, sum16[1] = *scale * (float)sb;
     if (planes == 1) {
         const __m128i flip = _mm_set1_epi8(offset ? (char)0x80 : 0);
         _mm_storeu_si128((__m128i *)d, _mm_xor_si128(_mm512_cvtepi32_epi8(qa), flip));
@@ -87,98 +74,37 @@ static void quantize_group(const float *x, int32_t largest, int planes, int offs
         store_digits(q, planes, offset, d);
     }
 }
-
-/* one group of a Q8_K block: q = round(x * iscale), at most 127 (q4.h) */
-static inline void k_group_digits(const float *x, float iscale, int32_t q[32], int32_t half[2]) {
-    const __m512 s = _mm512_set1_ps(iscale);
-    const __m512i hi = _mm512_set1_epi32(127);
-    const __m512i qa = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), s)), hi);
-    const __m512i qb = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), s)), hi);
-    _mm512_storeu_si512((void *)q, qa);
-    _mm512_storeu_si512((void *)(q + 16), qb);
-    half[0] = _mm512_reduce_add_epi32(qa), half[1] = _mm512_reduce_add_epi32(qb);
-}
 #else
 static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
-                           float *sum, float *sum16, float *sum_q81) {
+                           float *sum, float *sum16) {
     int32_t q[32], half[2] = {0, 0};
-    float amax = 0.f;
-    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    quantize_group_int(x, largest, q);
+    *scale = quantize_group_int(x, largest, q);
     for (int i = 0; i < 32; i++) half[i / 16] += q[i];
-    group_sums(amax, largest, half[0], half[1], scale, sum, sum16, sum_q81);
+    *sum = *scale * (float)(half[0] + half[1]);
+    sum16[0] = *scale * (float)half[0], sum16[1] = *scale * (float)half[1];
     store_digits(q, planes, offset, d);
 }
-
-static inline void k_group_digits(const float *x, float iscale, int32_t q[32], int32_t half[2]) {
-    half[0] = half[1] = 0;
-    for (int i = 0; i < 32; i++) {
-        const int32_t v = (int32_t)lrintf(x[i] * iscale);
-        q[i] = v > 127 ? 127 : v;
-        half[i / 16] += q[i];
-    }
-}
 #endif
-
-/* One block of 256 features as ggml's Q8_K (quantize_row_q8_K_ref): the value of largest
-   magnitude (the first, on ties) sets iscale = -127 / it; the block's 8 groups share the scale
-   1 / iscale. */
-static void quantize_block_k(const float *x, int offset, int8_t *d, float *scale, float *sum, float *sum16) {
-    float amax = 0.f, max = 0.f;
-    for (int i = 0; i < 256; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    for (int i = 0; i < 256; i++)
-        if (fabsf(x[i]) == amax) {
-            max = x[i];
-            break;
-        }
-    const float iscale = amax > 0.f ? -127.f / max : 0.f, dk = amax > 0.f ? 1.f / iscale : 0.f;
-    for (int g = 0; g < 8; g++) {
-        int32_t q[32], half[2];
-        k_group_digits(x + 32 * g, iscale, q, half);
-        scale[g] = dk, sum[g] = dk * (float)(half[0] + half[1]);
-        sum16[2 * g] = dk * (float)half[0], sum16[2 * g + 1] = dk * (float)half[1];
-        store_digits(q, 1, offset, d + 32 * g);
-    }
-}
 
 typedef struct {
     const float *x;
     int64_t groups; /* M * K / 32 */
     q4_activations *out;
-    int per32, k_blocks; /* which sets to fill */
 } quantize_job;
 
 static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     const quantize_job *job = (const quantize_job *)ctx;
-    q4_activations *out = job->out;
-    const int planes = out->planes;
+    const int planes = job->out->planes;
     const int32_t largest = planes == 1 ? Q8_MAX : Q16_MAX;
-    const int64_t first = job->groups * part / parts / 8 * 8, last = job->groups * (part + 1) / parts / 8 * 8;
-    const int64_t end = part == parts - 1 ? job->groups : last; /* whole blocks of 8 groups per part */
-    for (int64_t at = first; job->per32 && at < end; at++)
-        quantize_group(job->x + at * 32, largest, planes, out->offset_digits, out->digits + at * planes * 32,
-                       out->scale + at, out->sum + at, out->sum16 + 2 * at, out->sum_q81 + at);
-    for (int64_t at = first; job->k_blocks && at < end; at += 8)
-        quantize_block_k(job->x + at * 32, out->offset_digits, out->digits_k + at * 32, out->scale_k + at,
-                         out->sum_k + at, out->sum16_k + 2 * at);
+    for (int64_t at = job->groups * part / parts; at < job->groups * (part + 1) / parts; at++)
+        quantize_group(job->x + at * 32, largest, planes, job->out->offset_digits,
+                       job->out->digits + at * planes * 32, job->out->scale + at, job->out->sum + at,
+                       job->out->sum16 + 2 * at);
 }
 
-/* fill the per-32 set and/or the Q8_K set */
-static void quantize_sets(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads, int k_quants,
-                          int others) {
-    const int k_blocks = out->planes == 1 && k_quants && K % 256 == 0;
-    quantize_job job = {x, M * (K / 32), out, others || !k_blocks, k_blocks};
+void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads) {
+    quantize_job job = {x, M * (K / 32), out};
     rb_parallel(quantize_part, &job, M * K >= 8192 ? threads : 1); /* a thread hand-off costs ~1 us */
-}
-
-void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads,
-                 const rb_q4_weight *w) {
-    int k_quants = 0, others = w == NULL;
-    for (; w; w = w->next) {
-        if (w->params_kind == Q4_PARAMS_K) k_quants = 1;
-        else others = 1;
-    }
-    quantize_sets(x, M, K, out, threads, k_quants, others);
 }
 
 #define TILE 8 /* activation rows per pass over a block's codes */
@@ -582,11 +508,10 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
                 const uint8_t *params = (const uint8_t *)w->params + b * groups * stride;
                 const _Float16 *super = w->super ? w->super + b * (groups / 8) * 2 * Q4_ROWS : NULL;
                 const float *bias = w->bias ? w->bias + b * Q4_ROWS : NULL;
-                const q4_activations x = q4_activations_for(job->x, w);
                 for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
                     const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
                     float out[TILE * Q4_ROWS];
-                    q4_rows(w, codes, high, params, super, &x, m0, rows, groups, out);
+                    q4_rows(w, codes, high, params, super, job->x, m0, rows, groups, out);
                     for (int64_t i = 0; i < rows; i++) {
                         float *ym = job->y + (m0 + i) * width + block * Q4_ROWS;
                         for (int r = 0; r < Q4_ROWS; r++) ym[r] = out[i * Q4_ROWS + r] + (bias ? bias[r] : 0.f);
@@ -618,9 +543,8 @@ static void q4_rows_part(void *ctx, int64_t part, int64_t parts) {
         const uint8_t *high = w->high ? w->high + b * groups * w->high_bits * 64 : NULL;
         const uint8_t *params = (const uint8_t *)w->params + b * groups * q4_param_stride(w);
         const _Float16 *super = w->super ? w->super + b * (groups / 8) * 2 * Q4_ROWS : NULL;
-        const q4_activations x = q4_activations_for(job->x, w);
         float out[TILE * Q4_ROWS];
-        q4_rows(w, codes, high, params, super, &x, i, 1, groups, out);
+        q4_rows(w, codes, high, params, super, job->x, i, 1, groups, out);
         float *yi = job->y + i * job->width + b * Q4_ROWS;
         for (int r = 0; r < Q4_ROWS; r++) yi[r] = out[r] + (w->bias ? w->bias[b * Q4_ROWS + r] : 0.f);
     }
@@ -629,12 +553,7 @@ static void q4_rows_part(void *ctx, int64_t part, int64_t parts) {
 void q4_linear_rows(const rb_q4_weight *const *ws, int64_t count, const float *x, q4_activations *scratch,
                     float *y, int64_t threads) {
     scratch->offset_digits = 0;
-    int k_quants = 0, others = 0;
-    for (int64_t i = 0; i < count; i++) {
-        if (ws[i]->params_kind == Q4_PARAMS_K) k_quants = 1;
-        else others = 1;
-    }
-    quantize_sets(x, count, ws[0]->in, scratch, threads, k_quants, others);
+    q4_quantize(x, count, ws[0]->in, scratch, threads);
     q4_rows_job job = {ws, scratch, count, ws[0]->out, y};
     rb_parallel(q4_rows_part, &job, threads);
 }
@@ -653,7 +572,7 @@ void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations 
         return;
     }
     scratch->offset_digits = 0;
-    q4_quantize(x, M, w->in, scratch, threads, w);
+    q4_quantize(x, M, w->in, scratch, threads);
     q4_job job = {w, scratch, M, y};
     rb_parallel(q4_part, &job, threads);
 }

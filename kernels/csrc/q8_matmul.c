@@ -197,7 +197,7 @@ int rb_q8_tiled_matmul(const rb_q8_tiled_weight *w, const float *x, int64_t M, f
     q4_activations q;
     if (q4_activations_alloc(&q, M, w->in, (int)(bits / 8))) return -1;
     q.offset_digits = 1;
-    q4_quantize(x, M, w->in, &q, threads, NULL);
+    q4_quantize(x, M, w->in, &q, threads);
     q8_tiled_job job = {w, &q, M, y};
     rb_parallel(q8_tiled_part, &job, threads);
     q4_activations_free(&q);

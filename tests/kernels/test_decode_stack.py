@@ -249,8 +249,8 @@ def test_fp32_path_runs_its_dense_weights_in_the_stack(tiny_llama_dir, monkeypat
 def test_smollm2_decode_runs_the_stack_and_tracks_fp32(monkeypatch):
     """The embedded GGUF at batch 1: decode steps go through the stack, the cache gives the same
     tokens warm and cold, and the greedy tokens follow the fp32 engine on the same weights up to
-    near ties: where they part, the fp32 engine rates our token within 0.5 nats of its own (the
-    8-bit activations round as llama.cpp's do, which tips such ties its way)."""
+    near ties: where they part, the fp32 engine rates our token within 0.5 nats of its own (8-bit
+    activations tip such ties either way)."""
     calls = _stack_calls(monkeypatch)
     params = SamplingParams(max_new_tokens=24, temperature=0)
     prompts = ["Write a haiku about the sea.", "Explain what a radix tree is."]

@@ -70,46 +70,6 @@ def test_low_bit_matmul_matches_float64(kind, rows):
     assert relative_error(q4.q4_matmul(x, packed, threads=1, activation_bits=8), want) < 1.5e-2  # 8-bit: ~5e-3
 
 
-def llama_cpp_activations(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What llama.cpp's CPU backend makes of fp32 activations x [M, K] before its dot products with
-    weights of `kind` (ggml's quantize_row_q8_0 / q8_1 on x86, quantize_row_q8_K_ref), as float64
-    values q * d, and for Q8_1 its stored sums s = fp16(d * sum q) per block of 32."""
-    if kind in (ggml.Q4_K, ggml.Q5_K, ggml.Q6_K):  # Q8_K: blocks of 256, iscale = -127 / the largest-magnitude value
-        blocks = x.view(x.shape[0], -1, 256)
-        first = blocks.abs().argmax(-1, keepdim=True)  # the first of equal magnitudes
-        iscale = -127.0 / torch.gather(blocks, -1, first)
-        q = torch.round(blocks * iscale).clamp(max=127)
-        return (q.double() * (1.0 / iscale).double()).view_as(x), None
-    groups = x.view(x.shape[0], -1, 32)  # Q8_0 / Q8_1: blocks of 32, an fp16 scale
-    amax = groups.abs().amax(-1, keepdim=True)
-    q = torch.round(groups * (127.0 / amax))
-    d = amax / 127.0
-    values = (q.double() * d.half().double()).view_as(x)
-    if kind not in (ggml.Q4_1, ggml.Q5_1):
-        return values, None
-    return values, (d[..., 0] * q.sum(-1)).half().double()
-
-
-@pytest.mark.parametrize("kind", ggml.LOW_BIT_TYPES, ids=ggml.type_name)
-@pytest.mark.parametrize("rows", [1, 17, 300])
-def test_8_bit_activations_round_as_llama_cpp_does(kind, rows):
-    """With 8-bit activations each type takes the activation blocks llama.cpp's CPU backend takes
-    for it (Q8_0, Q8_1, Q8_K): the product equals the float64 product of those rounded activations
-    up to fp32 summation, so a GGUF file gives llama.cpp's numbers, not merely numbers as close."""
-    t = random_tensor(kind, 32, 512, seed=kind)
-    codes = ggml.group_codes(t)
-    if kind == ggml.Q8_0:
-        codes.codes.clamp_(min=1)  # -128 (unsigned 0), never written by llama.cpp, is not exact on AVX2
-    packed = q4.pack(codes)
-    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-    values, sums = llama_cpp_activations(x, kind)
-    want = values @ codes.dequantize().double().T
-    if sums is not None:  # Q8_1: the minimum term takes the stored sum s, not d * sum q
-        stored = values.view(rows, -1, 32).sum(-1)
-        want += (sums - stored) @ codes.second.double().T
-    assert relative_error(q4.q4_matmul(x, packed, threads=2, activation_bits=8), want) < 2e-6
-
-
 def test_chained_weights_of_mixed_types_equal_separate_calls():
     """A fused q/k/v whose parts have different types (Q4_K_M files) runs as one chained call."""
     parts = [q4.pack(ggml.group_codes(random_tensor(kind, n, 256, seed=n)))
