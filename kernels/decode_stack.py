@@ -26,7 +26,11 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", Q4WeightStruct),
                 ("o", Q4WeightStruct), ("gate_up", Q4WeightStruct), ("down", Q4WeightStruct),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(MoEBlockStruct))]
+                ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(MoEBlockStruct)), ("cos_sin", ctypes.c_void_p),
+                ("window", ctypes.c_int64), ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+                ("activation", ctypes.c_int64)]
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP gates decode_stack.c runs
 
 
 class _Dims(ctypes.Structure):
@@ -53,9 +57,14 @@ class LayerWeights:
     o: NativeWeight
     gate_up: NativeWeight | None  # gate then up (None with `moe`)
     down: NativeWeight | None
-    q_norm: torch.Tensor | None = None  # [head_dim] fp32, per head before RoPE (Qwen3)
+    q_norm: torch.Tensor | None = None  # [head_dim] fp32, per head before RoPE (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
     moe: RoutedMLP | None = None
+    cos_sin: torch.Tensor | None = None  # this layer's RoPE table (Gemma 3's local layers), else the model's
+    window: int | None = None  # a sliding window of keys
+    attn_out_norm: torch.Tensor | None = None  # Gemma 2/3's norms of the attention and MLP outputs
+    mlp_out_norm: torch.Tensor | None = None
+    activation: str = "silu"  # or "gelu_tanh" (Gemma's GeGLU)
 
 
 class DecodeStack:
@@ -87,6 +96,14 @@ class DecodeStack:
                 raise ValueError("q and k norms come together")
             if w.q_norm is not None:
                 s.q_norm, s.k_norm = w.q_norm.data_ptr(), w.k_norm.data_ptr()
+            if w.cos_sin is not None:
+                if w.cos_sin.dtype != torch.float32 or w.cos_sin.shape[-1] != head_dim or not w.cos_sin.is_contiguous():
+                    raise ValueError("a layer's RoPE table must be contiguous fp32 [positions, head_dim]")
+                s.cos_sin = w.cos_sin.data_ptr()
+            s.window = w.window or 0
+            s.attn_out_norm = None if w.attn_out_norm is None else w.attn_out_norm.data_ptr()
+            s.mlp_out_norm = None if w.mlp_out_norm is None else w.mlp_out_norm.data_ptr()
+            s.activation = ACTIVATIONS[w.activation]
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

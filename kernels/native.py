@@ -53,6 +53,7 @@ _SIGNATURES = {
     "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
     "rb_silu_and_mul": ([_P, _I, _I, _P], None),
     "rb_silu_and_mul_bf16": ([_P, _I, _I, _P], None),
+    "rb_gelu_tanh_and_mul": ([_P, _I, _I, _P], None),
     "rb_q4_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P], None),
     "rb_q4_smallest_8bit_code": ([], ctypes.c_int),
@@ -324,4 +325,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     kernel = library().rb_silu_and_mul_bf16 if x.dtype == torch.bfloat16 else library().rb_silu_and_mul
     kernel(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x [..., 2d] -> gelu_tanh(gate) * up [..., d] (Gemma's GeGLU)."""
+    if x.dtype != torch.float32 or x.shape[-1] % 2:
+        raise ValueError(f"gelu_tanh_and_mul needs fp32 x [..., 2d], got {x.dtype} [..., {x.shape[-1]}]")
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    library().rb_gelu_tanh_and_mul(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
     return out

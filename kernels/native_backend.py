@@ -121,7 +121,8 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
             return out
         starts, lens = self._window_slots(meta, window)
         threads = torch.get_num_threads() if int(lens.sum()) >= NATIVE_THREADED_KEYS else 1
-        out, _ = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, starts, lens, scale, threads=threads)
+        out, _ = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, starts, lens, scale, threads=threads,
+                                         invariant=settings.current().batch_invariant)  # the decode stack's kernel
         return out
 
     def _window_slots(self, meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:

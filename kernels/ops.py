@@ -129,6 +129,8 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     `gelu_pytorch_tanh`), in x's dtype as HF computes it."""
     if x.shape[-1] % 2:
         raise ValueError(f"gelu_tanh_and_mul needs an even last dim (gate and up halves), got {x.shape[-1]}")
+    if native.supports(x):
+        return native.gelu_tanh_and_mul(x)
     d = x.shape[-1] // 2
     return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 

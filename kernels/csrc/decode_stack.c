@@ -23,7 +23,13 @@ typedef struct {
     float *k_cache, *v_cache;            /* this layer's pool [slots, kv_heads, head_dim] */
     const float *q_norm, *k_norm;        /* [head_dim] RMSNorm weights per head before RoPE, or NULL */
     const rb_moe_block *moe;             /* a routed MLP instead of gate_up/down, or NULL */
+    const float *cos_sin;                /* this layer's RoPE table, or NULL: the model's (dims) */
+    int64_t window;                      /* a sliding window: each token sees its last `window` keys; 0: all */
+    const float *attn_out_norm, *mlp_out_norm; /* Gemma 2/3: norms of the attention and MLP outputs, or NULL */
+    int64_t activation;                  /* the MLP's: RB_SILU or RB_GELU_TANH */
 } rb_decoder_layer;
+
+enum { RB_SILU = 0, RB_GELU_TANH = 1 };
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
@@ -38,7 +44,9 @@ typedef struct {
    adds the two). The linears split their rows, and attention its requests (or a long request's
    keys), over `threads` threads; the linears' activations are `activation_bits` (8 or 16) integers;
    `invariant`: attention gives each row the extend kernel's bits (extend_attention.c).
-   Layers may norm q and k per head (Qwen3) and may route their MLP over experts (`moe`, moe.c).
+   Layers may norm q and k per head (Qwen3, Gemma 3), route their MLP over experts (`moe`,
+   moe.c), see a sliding window of keys, take their own RoPE table, norm their attention and MLP
+   outputs (Gemma's sandwich norms) and gate their MLP with GELU.
    Returns 0, -1 if memory ran out, -2 for other activation bits. */
 int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_decoder_dims *d, int64_t T,
                     const int64_t *positions, const int64_t *out_slots, const int64_t *kv_indices,
@@ -55,7 +63,7 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             top_k = layers[l].moe->top_k > top_k ? layers[l].moe->top_k : top_k;
         }
     float *scratch = (float *)malloc(sizeof(float) * T * (H + qkv_size + 2 * q_size + 3 * I + experts));
-    int64_t *picks = (int64_t *)malloc(sizeof(int64_t) * T * top_k * 2 + 1); /* ids, then fp32 weights */
+    int64_t *picks = (int64_t *)malloc(sizeof(int64_t) * T * (top_k * 2 + 2) + 1); /* ids, fp32 weights; windows */
     q4_activations quantized;
     if (!scratch || !picks || q4_activations_alloc(&quantized, T, widest, (int)(activation_bits / 8))) {
         free(scratch), free(picks);
@@ -73,17 +81,28 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             rb_add_rms_norm(NULL, row, L->q_norm, d->heads, D, d->eps, row, NULL);
             rb_add_rms_norm(NULL, row + q_size, L->k_norm, d->kv_heads, D, d->eps, row + q_size, NULL);
         }
-        rb_rope(qkv, qkv_size, T, d->heads, D, positions, d->cos_sin, D, q);
+        const float *cos_sin = L->cos_sin ? L->cos_sin : d->cos_sin;
+        rb_rope(qkv, qkv_size, T, d->heads, D, positions, cos_sin, D, q);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_size;
-            rb_rope(row + q_size, qkv_size, 1, d->kv_heads, D, positions + t, d->cos_sin, D,
+            rb_rope(row + q_size, qkv_size, 1, d->kv_heads, D, positions + t, cos_sin, D,
                     L->k_cache + out_slots[t] * kv_size);
             memcpy(L->v_cache + out_slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
+        const int64_t *layer_starts = starts, *layer_lens = lens;
+        if (L->window > 0) { /* each token's last `window` keys */
+            int64_t *ws = picks + T * top_k * 2, *wl = ws + T;
+            for (int64_t t = 0; t < T; t++) {
+                wl[t] = lens[t] < L->window ? lens[t] : L->window;
+                ws[t] = starts[t] + lens[t] - wl[t];
+            }
+            layer_starts = ws, layer_lens = wl;
+        }
         rc = (invariant && D % 16 == 0 ? rb_decode_attention_invariant : rb_decode_attention)(
-            q, L->k_cache, L->v_cache, kv_indices, starts, lens, T, d->kv_heads, d->heads / d->kv_heads, D, d->scale,
-            attn, NULL, threads);
+            q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T, d->kv_heads, d->heads / d->kv_heads, D,
+            d->scale, attn, NULL, threads);
         q4_linear(&L->o, attn, T, &quantized, hidden, threads);
+        if (L->attn_out_norm) rb_add_rms_norm(NULL, hidden, L->attn_out_norm, T, H, d->eps, hidden, NULL);
         rb_add_rms_norm(hidden, residual, L->post_norm, T, H, d->eps, normed, residual);
         if (L->moe) {
             const rb_moe_block *M = L->moe;
@@ -91,11 +110,12 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             rb_moe_route(route, T, M->experts, M->top_k, M->renormalise, picks, (float *)(picks + T * M->top_k));
             rc = rb_moe_experts(M->gate_up, M->down, M->experts, normed, T, picks, (float *)(picks + T * M->top_k),
                                 M->top_k, hidden, threads, activation_bits);
-            continue;
+        } else {
+            q4_linear(&L->gate_up, normed, T, &quantized, gate_up, threads);
+            (L->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul)(gate_up, T, I, act);
+            q4_linear(&L->down, act, T, &quantized, hidden, threads);
         }
-        q4_linear(&L->gate_up, normed, T, &quantized, gate_up, threads);
-        rb_silu_and_mul(gate_up, T, I, act);
-        q4_linear(&L->down, act, T, &quantized, hidden, threads);
+        if (L->mlp_out_norm) rb_add_rms_norm(NULL, hidden, L->mlp_out_norm, T, H, d->eps, hidden, NULL);
     }
     q4_activations_free(&quantized);
     free(scratch), free(picks);

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from radix_backend.kernels import ops
-from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata, ScoreMask
+from radix_backend.kernels.attention_base import ScoreMask
 
 from .config_check import layer_windows, rope_by_layer_type, rope_kind, rope_parameters
 from .llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
@@ -65,6 +65,8 @@ class GemmaAttention(Attention):
 
 
 class GemmaMLP(MLP):
+    activation_name = "gelu_tanh"
+
     def activate(self, gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return ops.gelu_tanh_and_mul(gate_up.to(x.dtype))
 
@@ -118,27 +120,19 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.cos_sin_cache = self._rope_table("full_attention", head_dim).to(device)
         self.local_cos_sin_cache = self._rope_table("sliding_attention", head_dim).to(device)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                backend: AttentionBackend, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        backend.begin_forward(meta)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        hidden = hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            local = layer.self_attn.layer_type == "sliding_attention"
-            cos_sin = self.local_cos_sin_cache if local else self.cos_sin_cache
-            hidden, residual = layer(hidden, residual, positions, cos_sin, kv, backend, meta)
-        return self.final_logits(hidden, residual, logits_indices)
+        return hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
+
+    def layer_cos_sin(self, layer_id: int) -> torch.Tensor:
+        local = self.layers[layer_id].self_attn.layer_type == "sliding_attention"
+        return self.local_cos_sin_cache if local else self.cos_sin_cache
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super()._lm_head(hidden)
         if self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
-
-    def build_decode_stack(self) -> bool:
-        return False  # the one-call stack runs Llama layers (SiLU, no sandwich norms)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)

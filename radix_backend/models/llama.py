@@ -187,6 +187,8 @@ class MLP(nn.Module):
         self.all_reduce = all_reduce
         self.out_scale = residual_multiplier(config)
 
+    activation_name = "silu"  # what the decode stack runs (kernels/decode_stack.py)
+
     def activate(self, gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up. A quantized gate_up may hand back its dense GEMM's bf16 (no cast to x's
         dtype and back): then SiLU is computed in fp32 and down_proj takes the bf16 directly."""
@@ -280,12 +282,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 backend: AttentionBackend, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         backend.begin_forward(meta)
-        cos_sin = self.cos_sin_cache
-        hidden = self.embed_tokens(input_ids)
-        if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
+        hidden = self.embed(input_ids)
         stack = self.decode_stack
-        if (stack is not None and input_ids.shape[0] <= stack.max_tokens and not self._windowed(meta)
+        if (stack is not None and input_ids.shape[0] <= stack.max_tokens
                 and (slots := backend.native_decode_slots(meta)) is not None and stack.bind(kv_caches)):
             threads = self.head_threads or torch.get_num_threads()  # the step's thread budget
             hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads,
@@ -293,9 +292,18 @@ class LlamaForCausalLM(nn.Module):
                                          invariant=settings.current().batch_invariant)
         else:
             residual = None
-            for layer, kv in zip(self.layers, kv_caches):
-                hidden, residual = layer(hidden, residual, positions, cos_sin, kv, backend, meta)
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                hidden, residual = layer(hidden, residual, positions, self.layer_cos_sin(i), kv, backend, meta)
         return self.final_logits(hidden, residual, logits_indices)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings the first layer takes (Granite scales them)."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden * self.embedding_multiplier if self.embedding_multiplier != 1.0 else hidden
+
+    def layer_cos_sin(self, layer_id: int) -> torch.Tensor:
+        """The RoPE table of a layer (one for every layer here)."""
+        return self.cos_sin_cache
 
     def final_logits(self, hidden: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """The last layer's output added to the residual stream, normed, through the LM head, at
@@ -312,11 +320,6 @@ class LlamaForCausalLM(nn.Module):
         finally:
             torch.set_num_threads(threads)
 
-    def _windowed(self, meta: AttentionMetadata) -> bool:
-        """Whether a layer's sliding window cuts into this batch (the decode stack attends whole
-        contexts)."""
-        return any(layer.self_attn.mask.changes(meta) for layer in self.layers)
-
     def build_decode_stack(self) -> bool:
         """Let small decode steps run every layer in one native call (kernels/decode_stack.py):
         possible when every linear has a native form (natively packed low-bit weights, or fp32
@@ -324,17 +327,27 @@ class LlamaForCausalLM(nn.Module):
         MLPs dense or routed, whole-head RoPE) and one process runs them. Returns whether it was
         set up."""
         attn = self.layers[0].self_attn
-        if self.tp_size != 1 or self.cos_sin_cache.shape[-1] != attn.head_dim or attn.out_scale != 1.0:
-            return False  # the stack rotates whole heads and has no output scales
+        if self.tp_size != 1 or attn.out_scale != 1.0:
+            return False  # one process; no output scales in the stack
         weights = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             a = layer.self_attn
             qkv, o, mlp = _native_weight(a.qkv_proj), _native_weight(a.o_proj), self.stack_mlp(layer)
-            if qkv is None or o is None or mlp is None:
-                return False
+            cos_sin = self.layer_cos_sin(i).float().contiguous()
+            if (qkv is None or o is None or mlp is None or a.mask.softcap is not None
+                    or cos_sin.shape[-1] != a.head_dim or a.scale != attn.scale):
+                return False  # the stack rotates whole heads, with one attention scale and no soft-capping
             norms = {"q_norm": _norm_weight(a.q_norm), "k_norm": _norm_weight(a.k_norm)} if a.qk_norm else {}
-            weights.append(LayerWeights(_norm_weight(layer.input_layernorm), _norm_weight(layer.post_attention_layernorm),
-                                        qkv, o, **norms, **mlp))
+            if getattr(layer, "sandwich", False):  # Gemma 2/3: norms after attention and MLP, one before the MLP
+                norms |= {"attn_out_norm": _norm_weight(layer.post_attention_layernorm),
+                          "mlp_out_norm": _norm_weight(layer.post_feedforward_layernorm)}
+                post_norm = layer.pre_feedforward_layernorm
+            else:
+                post_norm = layer.post_attention_layernorm
+            own_table = cos_sin.data_ptr() != self.cos_sin_cache.data_ptr()
+            weights.append(LayerWeights(_norm_weight(layer.input_layernorm), _norm_weight(post_norm), qkv, o,
+                                        cos_sin=cos_sin if own_table else None, window=a.mask.window,
+                                        activation=getattr(layer.mlp, "activation_name", "silu"), **norms, **mlp))
         dense = any(isinstance(w, DenseWeight) for layer in weights for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                                         head_dim=attn.head_dim, eps=self.layers[0].input_layernorm.eps,

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from radix_backend import Engine, SamplingParams
 from radix_backend.kernels import native, ops
@@ -187,6 +188,9 @@ def test_rope_on_views_of_a_fused_qkv_and_silu_match_the_torch_ops():
                                ops.apply_rotary_torch(q, k, positions, partial)[0], atol=1e-6, rtol=1e-6)
     gate_up = torch.randn(4, 2 * 1536, generator=gen) * 4
     torch.testing.assert_close(ops.silu_and_mul(gate_up), ops.silu_and_mul_torch(gate_up), atol=1e-5, rtol=1e-5)
+    gate, up = gate_up.chunk(2, dim=-1)  # Gemma's GeGLU: torch's tanh GELU, within fp32 rounding
+    torch.testing.assert_close(ops.gelu_tanh_and_mul(gate_up), F.gelu(gate, approximate="tanh") * up,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_tensors_keep_the_torch_path():
