@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 
 ACTIVATION_BITS = (8, 16)
@@ -40,13 +40,18 @@ def current() -> KernelSettings:
 
 
 @contextmanager
-def active(settings: KernelSettings) -> Iterator[KernelSettings]:
-    """Run the block's kernels with `settings` (on this thread or task only)."""
-    token = _current.set(settings)
+def _bound(var: contextvars.ContextVar, value) -> Iterator:
+    """`var` set to `value` for the block (on this thread or task only)."""
+    token = var.set(value)
     try:
-        yield settings
+        yield value
     finally:
-        _current.reset(token)
+        var.reset(token)
+
+
+def active(settings: KernelSettings) -> AbstractContextManager[KernelSettings]:
+    """Run the block's kernels with `settings` (on this thread or task only)."""
+    return _bound(_current, settings)
 
 
 def overridden(**changes: object):
@@ -67,12 +72,7 @@ def matmul_threads() -> int:
     return _matmul_threads.get() or torch.get_num_threads()
 
 
-@contextmanager
-def native_matmul_threads(threads: int) -> Iterator[int]:
+def native_matmul_threads(threads: int) -> AbstractContextManager[int]:
     """Run the block's native matmuls on `threads` threads, whatever torch's intra-op count."""
-    token = _matmul_threads.set(threads)
-    try:
-        yield threads
-    finally:
-        _matmul_threads.reset(token)
+    return _bound(_matmul_threads, threads)
 
