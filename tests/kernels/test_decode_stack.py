@@ -62,7 +62,7 @@ def test_q4_matmul_computes_with_the_exact_weights(rows, threads):
 @pytest.mark.parametrize("rows", [1, 3, 5, 16, 17, 300])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_dense_fp32_matmul_is_the_fp32_product(rows, threads):
-    """The fp32 reference path's native linears: any sizes (tails of the 4 x 4 register tile and of
+    """The fp32 reference path's native linears: any sizes (tails of the register tile and of
     the 16-lane vectors), the bias, fp32 sums within float rounding of the float64 product."""
     gen = torch.Generator().manual_seed(rows)
     weight, bias, x = torch.randn(37, 70, generator=gen), torch.randn(37, generator=gen), torch.randn(rows, 70, generator=gen)
@@ -70,6 +70,19 @@ def test_dense_fp32_matmul_is_the_fp32_product(rows, threads):
     assert relative_error(got, x.double() @ weight.double().t() + bias.double()) < 1e-6
     with pytest.raises(ValueError, match="fp32"):
         q4.DenseWeight(weight.half(), None)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dense_fp32_rows_have_the_same_bits_alone_and_in_any_batch(threads):
+    """The fixed-order fp32 matmul: a row's sum order depends on K alone, not on its register tile,
+    its chunk of rows (800 rows span two chunks at K = 70) or the thread split."""
+    gen = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(37, 70, generator=gen), torch.randn(800, 70, generator=gen)
+    dense = q4.DenseWeight(weight, None)
+    batch = q4.q4_matmul(x, dense, threads=threads)
+    for at in (0, 5, 401, 799):
+        assert torch.equal(q4.q4_matmul(x[at:at + 1], dense, threads=3 - threads), batch[at:at + 1])
+    assert torch.equal(q4.q4_matmul(x[3:10], dense, threads=threads), batch[3:10])
 
 
 @pytest.mark.parametrize("bits", [8, 16])
