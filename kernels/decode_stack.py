@@ -28,7 +28,7 @@ class _Layer(ctypes.Structure):
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(MoEBlockStruct)), ("cos_sin", ctypes.c_void_p),
                 ("window", ctypes.c_int64), ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
-                ("activation", ctypes.c_int64)]
+                ("activation", ctypes.c_int64), ("softcap", ctypes.c_float)]
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP gates decode_stack.c runs
 
@@ -65,6 +65,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # Gemma 2/3's norms of the attention and MLP outputs
     mlp_out_norm: torch.Tensor | None = None
     activation: str = "silu"  # or "gelu_tanh" (Gemma's GeGLU)
+    softcap: float | None = None  # Gemma 2: attention scores capped as softcap * tanh(s / softcap)
 
 
 class DecodeStack:
@@ -104,6 +105,9 @@ class DecodeStack:
             s.attn_out_norm = None if w.attn_out_norm is None else w.attn_out_norm.data_ptr()
             s.mlp_out_norm = None if w.mlp_out_norm is None else w.mlp_out_norm.data_ptr()
             s.activation = ACTIVATIONS[w.activation]
+            if w.softcap is not None and not (w.softcap > 0 and native.extend_attention_dim_ok(head_dim)):
+                raise ValueError("soft-capped attention needs a cap > 0 and a head size that is a multiple of 16")
+            s.softcap = w.softcap or 0.0
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

@@ -44,11 +44,11 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rb_decode_attention": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
-    "rb_decode_attention_invariant": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
+    "rb_decode_attention_invariant": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _F, _P, _P, _I], ctypes.c_int),
     "rb_extend_attention": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _P, _P, _I],
                             ctypes.c_int),
-    "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _P, _P,
-                                    _I], ctypes.c_int),
+    "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _F, _P,
+                                    _P, _I], ctypes.c_int),
     "rb_add_rms_norm": ([_P, _P, _P, _I, _I, _F, _P, _P], None),
     "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
     "rb_silu_and_mul": ([_P, _I, _I, _P], None),
@@ -212,15 +212,18 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      starts: torch.Tensor, lens: torch.Tensor, scale: float, with_lse: bool = False,
-                     threads: int = 1, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     threads: int = 1, invariant: bool = False,
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query row per request over its keys at `kv_indices[starts[b] : starts[b] + lens[b]]`,
     read from the pool in place. q [B, Hq, D]; caches [slots, Hkv, D]; returns (out [B, Hq, D],
     lse [B, Hq] or None). A request with lens[b] < 1 (padding) reads nothing and gets an undefined
     row; every slot must lie inside the pool. `invariant` (head sizes that are multiples of 16):
     each row gets exactly the bits `extend_attention` gives that row, whatever the batch (about
-    1.5x the time of the default kernel, which splits long requests' keys over the threads)."""
+    1.5x the time of the default kernel, which splits long requests' keys over the threads).
+    `softcap` (Gemma 2): scores capped as softcap * tanh(s / softcap); the invariant kernel runs it."""
     hq, hkv = _check_attention(q, k_cache, v_cache)
     batch, _, dim = q.shape
+    _check_softcap(softcap, dim)
     kv_indices = checked_indices("kv_indices", kv_indices)
     starts, lens = checked_indices("starts", starts, batch), checked_indices("lens", lens, batch)
     check_ranges("starts/lens", starts, lens, kv_indices.numel())
@@ -228,13 +231,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(batch, hq, dtype=torch.float32) if with_lse else None
-    kernel = library().rb_decode_attention_invariant if invariant and extend_attention_dim_ok(dim) else library().rb_decode_attention
-    rc = kernel(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), starts.data_ptr(),
-        lens.data_ptr(), batch, hkv, hq // hkv, dim, scale, out.data_ptr(), _ptr(lse), threads)
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), starts.data_ptr(),
+            lens.data_ptr(), batch, hkv, hq // hkv, dim, scale)
+    if (invariant or softcap) and extend_attention_dim_ok(dim):
+        rc = library().rb_decode_attention_invariant(*args, softcap or 0.0, out.data_ptr(), _ptr(lse), threads)
+    else:
+        rc = library().rb_decode_attention(*args, out.data_ptr(), _ptr(lse), threads)
     if rc != 0:
         raise NativeKernelError("decode attention could not allocate its scratch memory")
     return out, lse
+
+
+def _check_softcap(softcap: float | None, dim: int) -> None:
+    if softcap is not None and not (softcap > 0 and extend_attention_dim_ok(dim)):
+        raise ValueError(f"soft-capped attention needs a cap > 0 and a head size that is a multiple of 16, "
+                         f"got softcap={softcap!r}, head size {dim}")
 
 
 def extend_attention_dim_ok(dim: int) -> bool:
@@ -245,16 +256,19 @@ def extend_attention_dim_ok(dim: int) -> bool:
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      q_starts: torch.Tensor, q_lens: torch.Tensor, kv_starts: torch.Tensor, kv_lens: torch.Tensor,
                      scale: float, causal: bool = True, with_lse: bool = False,
-                     threads: int = 1, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     threads: int = 1, window: int | None = None,
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Many query rows per request over its keys, read from the pool in place. Request b owns q rows
     [q_starts[b], + q_lens[b]) and keys at `kv_indices[kv_starts[b] : + kv_lens[b]]`; causal: its
     new token i sees its first kv_lens[b] - q_lens[b] + i + 1 keys (with a sliding `window`, only
-    the last `window` of those). q [T, Hq, D]; caches [slots, Hkv, D]; int64 index tensors; returns
-    (out [T, Hq, D], lse [T, Hq] or None)."""
+    the last `window` of those); `softcap` (Gemma 2) caps every score as softcap * tanh(s / softcap).
+    q [T, Hq, D]; caches [slots, Hkv, D]; int64 index tensors; returns (out [T, Hq, D], lse [T, Hq]
+    or None)."""
     if window is not None and (not causal or window < 1):
         raise ValueError(f"a sliding window needs causal attention and window >= 1, got window={window!r}")
     hq, hkv = _check_attention(q, k_cache, v_cache)
     tokens, _, dim = q.shape
+    _check_softcap(softcap, dim)
     batch = q_starts.numel()
     kv_indices = checked_indices("kv_indices", kv_indices)
     q_starts, q_lens, kv_starts, kv_lens = (checked_indices(name, t, batch) for name, t in (
@@ -270,7 +284,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rc = library().rb_extend_attention_window(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), q_starts.data_ptr(),
         q_lens.data_ptr(), kv_starts.data_ptr(), kv_lens.data_ptr(), len(q_lens), hkv, hq // hkv, dim, scale,
-        int(causal), window or 0, out.data_ptr(), _ptr(lse), threads)
+        int(causal), window or 0, softcap or 0.0, out.data_ptr(), _ptr(lse), threads)
     if rc == -2:
         raise ValueError(f"extend attention needs a head size that is a multiple of 16, got {dim}")
     if rc != 0:

@@ -27,6 +27,7 @@ from .torch_backend import Plan, TorchAttentionBackend
 # each GEMM: a 32-request step over 3,200 keys took 82-90 ms with a 256-key bound against 66-72 ms
 # with this one (three alternating rounds).
 NATIVE_THREADED_KEYS = 4096
+UNBOUNDED_WINDOW = 1 << 62  # `_window_slots` of a layer without a window: every key
 
 
 @dataclass
@@ -105,11 +106,12 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
 
     def _attend_masked(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                        mask: ScoreMask) -> torch.Tensor:
-        """A sliding window alone runs on the native kernels: a decode row reads only its last
-        `window` keys, an extend masks the keys before each row's window. Soft-capped scores (or
-        what the kernels cannot read) take the plain-torch path."""
-        if mask.softcap is not None or not (self._reads_slot_table(meta) and native.supports(q, k_cache, v_cache)
-                                            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        """Sliding windows and soft-capped scores run on the native kernels: a decode row reads only
+        its last `window` keys, an extend masks the keys before each row's window, and both cap
+        every score in the kernel (head sizes that are multiples of 16). What the kernels cannot
+        read takes the plain-torch path."""
+        if not (self._reads_slot_table(meta) and native.supports(q, k_cache, v_cache) and k_cache.is_contiguous()
+                and v_cache.is_contiguous()) or (mask.softcap is not None and not native.extend_attention_dim_ok(q.shape[-1])):
             return super()._attend_masked(q, k_cache, v_cache, meta, scale, mask)
         window = mask.window
         if not meta.is_decode:
@@ -117,12 +119,14 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
                 return super()._attend_masked(q, k_cache, v_cache, meta, scale, mask)
             out, _ = native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1],
                                              meta.extend_lens, meta.kv_indptr[:-1], meta.seq_lens, scale,
-                                             causal=True, threads=torch.get_num_threads(), window=window)
+                                             causal=True, threads=torch.get_num_threads(), window=window,
+                                             softcap=mask.softcap)
             return out
-        starts, lens = self._window_slots(meta, window)
+        starts, lens = self._window_slots(meta, window or UNBOUNDED_WINDOW)
         threads = torch.get_num_threads() if int(lens.sum()) >= NATIVE_THREADED_KEYS else 1
         out, _ = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, starts, lens, scale, threads=threads,
-                                         invariant=settings.current().batch_invariant)  # the decode stack's kernel
+                                         invariant=settings.current().batch_invariant,
+                                         softcap=mask.softcap)  # the decode stack's kernel
         return out
 
     def _window_slots(self, meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ typedef struct {
     int64_t window;                      /* a sliding window: each token sees its last `window` keys; 0: all */
     const float *attn_out_norm, *mlp_out_norm; /* Gemma 2/3: norms of the attention and MLP outputs, or NULL */
     int64_t activation;                  /* the MLP's: RB_SILU or RB_GELU_TANH */
+    float softcap;                       /* Gemma 2: attention scores capped as softcap * tanh(s / softcap); 0: none */
 } rb_decoder_layer;
 
 enum { RB_SILU = 0, RB_GELU_TANH = 1 };
@@ -46,7 +47,8 @@ typedef struct {
    `invariant`: attention gives each row the extend kernel's bits (extend_attention.c).
    Layers may norm q and k per head (Qwen3, Gemma 3), route their MLP over experts (`moe`,
    moe.c), see a sliding window of keys, take their own RoPE table, norm their attention and MLP
-   outputs (Gemma's sandwich norms) and gate their MLP with GELU.
+   outputs (Gemma's sandwich norms), soft-cap their attention scores (Gemma 2; head sizes that are
+   multiples of 16) and gate their MLP with GELU.
    Returns 0, -1 if memory ran out, -2 for other activation bits. */
 int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_decoder_dims *d, int64_t T,
                     const int64_t *positions, const int64_t *out_slots, const int64_t *kv_indices,
@@ -98,9 +100,13 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             }
             layer_starts = ws, layer_lens = wl;
         }
-        rc = (invariant && D % 16 == 0 ? rb_decode_attention_invariant : rb_decode_attention)(
-            q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T, d->kv_heads, d->heads / d->kv_heads, D,
-            d->scale, attn, NULL, threads);
+        if ((invariant || L->softcap > 0) && D % 16 == 0) /* soft-capped scores: this kernel only */
+            rc = rb_decode_attention_invariant(q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T,
+                                               d->kv_heads, d->heads / d->kv_heads, D, d->scale, L->softcap, attn, NULL,
+                                               threads);
+        else
+            rc = rb_decode_attention(q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T, d->kv_heads,
+                                     d->heads / d->kv_heads, D, d->scale, attn, NULL, threads);
         q4_linear(&L->o, attn, T, &quantized, hidden, threads);
         if (L->attn_out_norm) rb_add_rms_norm(NULL, hidden, L->attn_out_norm, T, H, d->eps, hidden, NULL);
         rb_add_rms_norm(hidden, residual, L->post_norm, T, H, d->eps, normed, residual);

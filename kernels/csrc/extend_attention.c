@@ -56,6 +56,14 @@ static inline vec exp_vec(vec x) {
     return EXP_TAYLOR7(r) * (vec)two_n;
 }
 
+/* cap * tanh(s / cap) as 2x = 2s / cap, tanh|x| = (1 - e) / (1 + e), e = exp(-2|x|) <= 1 (no
+   overflow), the sign put back: within ~1e-7 of tanhf times cap */
+static inline vec softcap_vec(vec s, float cap) {
+    const vec x = s * (1.f / cap), ax = select_vec(x < 0, -x, x);
+    const vec e = exp_vec(-2.f * ax), t = ((vec){0} + 1.f - e) / ((vec){0} + 1.f + e);
+    return select_vec(x < 0, -t, t) * cap;
+}
+
 typedef struct {
     const float *q, *k_cache, *v_cache;
     const int64_t *kv_indices, *q_starts, *q_lens, *kv_starts, *kv_lens;
@@ -63,6 +71,7 @@ typedef struct {
     int causal;
     int64_t window; /* > 0: a causal row sees only its last `window` keys (itself included) */
     float scale;
+    float softcap; /* > 0: every score s becomes softcap * tanh(s / softcap) (Gemma 2), before masking */
     float *out, *lse;
     const int64_t *task_first; /* [batch + 1]: first task id of each request */
     _Atomic int64_t next;
@@ -177,6 +186,8 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
             t->values[j] = a->v_cache + slot * row + h * D;
         }
         for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
+        for (int64_t j = 0; j < n && a->softcap > 0; j++)
+            for (int64_t u = 0; u < rows / VEC; u++) ((vec *)(t->s_t + j * rows))[u] = softcap_vec(((vec *)(t->s_t + j * rows))[u], a->softcap);
         /* online softmax, vectorized across rows: new max, rescale factor, probabilities */
         vec *restrict mx = (vec *)t->max, *restrict sm = (vec *)t->sum, *restrict corr = (vec *)t->corr;
         const vec *restrict lim = (const vec *)t->limit, *restrict low = (const vec *)t->lower;
@@ -248,7 +259,7 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
 static int attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
                   const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts, const int64_t *kv_lens,
                   int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, int causal,
-                  int64_t window, float *out, float *lse, int64_t threads, int64_t per_tile) {
+                  int64_t window, float softcap, float *out, float *lse, int64_t threads, int64_t per_tile) {
     if (dim % 16 != 0) return -2; /* a multiple of KEY_GROUP */
     int64_t *task_first = malloc(sizeof(int64_t) * (batch + 1));
     if (!task_first) return -1;
@@ -256,7 +267,7 @@ static int attend(const float *q, const float *k_cache, const float *v_cache, co
     for (int64_t b = 0; b < batch; b++)
         task_first[b + 1] = task_first[b] + (q_lens[b] + per_tile - 1) / per_tile * hkv;
     extend_job job = {q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch, hkv, group,
-                      dim, per_tile, task_first[batch], causal, window, scale, out, lse, task_first, 0, 0};
+                      dim, per_tile, task_first[batch], causal, window, scale, softcap, out, lse, task_first, 0, 0};
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(extend_part, &job, threads < 1 ? 1 : threads);
     free(task_first);
@@ -277,20 +288,22 @@ int rb_extend_attention(const float *q, const float *k_cache, const float *v_cac
                         const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,
                         float scale, int causal, float *out, float *lse, int64_t threads) {
     return rb_extend_attention_window(q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch,
-                                      hkv, group, dim, scale, causal, 0, out, lse, threads);
+                                      hkv, group, dim, scale, causal, 0, 0.f, out, lse, threads);
 }
 
 /* The same with a sliding window (`window` > 0, causal only): new token i of request b, at key
    position p = kv_lens[b] - q_lens[b] + i, sees keys [max(0, p - window + 1), p] (HF's sliding-window
-   mask). Key blocks stay on the request's grid of BLOCK_KEYS, so rows keep the bits above. */
+   mask). Key blocks stay on the request's grid of BLOCK_KEYS, so rows keep the bits above.
+   `softcap` > 0 caps every score s (after the scale) as softcap * tanh(s / softcap), Gemma 2's
+   attention logit soft-capping. */
 int rb_extend_attention_window(const float *q, const float *k_cache, const float *v_cache,
                                const int64_t *kv_indices, const int64_t *q_starts, const int64_t *q_lens,
                                const int64_t *kv_starts, const int64_t *kv_lens, int64_t batch, int64_t hkv,
-                               int64_t group, int64_t dim, float scale, int causal, int64_t window, float *out,
-                               float *lse, int64_t threads) {
+                               int64_t group, int64_t dim, float scale, int causal, int64_t window, float softcap,
+                               float *out, float *lse, int64_t threads) {
     const int64_t per_tile = TILE_ROWS / group;
     return attend(q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch, hkv, group, dim,
-                  scale, causal, window, out, lse, threads, per_tile < 1 ? 1 : per_tile);
+                  scale, causal, window, softcap, out, lse, threads, per_tile < 1 ? 1 : per_tile);
 }
 
 /* ---- decode: one query row per request, the same sums with keys as vector lanes ------------------
@@ -333,7 +346,7 @@ static void decode_task(const extend_job *a, const decode_scratch *t, int64_t b,
             for (int64_t u = 0; u < nv; u++) {
                 vec acc = {0};
                 for (int64_t d = 0; d < D; d++) acc += ((const vec *)(t->kt + d * BLOCK_KEYS))[u] * qs[d];
-                s[u] = acc;
+                s[u] = a->softcap > 0 ? softcap_vec(acc, a->softcap) : acc;
             }
             float *sg = t->s + g * BLOCK_KEYS, *og = t->o + g * D;
             const float old = t->max[g];
@@ -379,14 +392,15 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
 /* One query row per request (a decode step), bit for bit what `rb_extend_attention` gives the last
    row of a request with the same keys. q, out: [B, Hkv * G, D]; request b's keys are
    kv_indices[starts[b] : + lens[b]] (lens[b] >= 1); lse: [B, Hkv * G] or NULL. dim % VEC == 0.
+   `softcap`: as in `rb_extend_attention_window` (0: none).
    Returns 0, -1 when memory ran out, -2 for an unsupported dim. */
 int rb_decode_attention_invariant(const float *q, const float *k_cache, const float *v_cache,
                               const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
-                              int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float *out,
-                              float *lse, int64_t threads) {
+                              int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float softcap,
+                              float *out, float *lse, int64_t threads) {
     if (dim % 16 != 0) return -2;
     extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
-                      dim, 1, batch * hkv, 0, 0, scale, out, lse, NULL, 0, 0};
+                      dim, 1, batch * hkv, 0, 0, scale, softcap, out, lse, NULL, 0, 0};
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(decode_part, &job, threads < 1 ? 1 : threads);
     return job.failed ? -1 : 0;

@@ -334,9 +334,9 @@ class LlamaForCausalLM(nn.Module):
             a = layer.self_attn
             qkv, o, mlp = _native_weight(a.qkv_proj), _native_weight(a.o_proj), self.stack_mlp(layer)
             cos_sin = self.layer_cos_sin(i).float().contiguous()
-            if (qkv is None or o is None or mlp is None or a.mask.softcap is not None
-                    or cos_sin.shape[-1] != a.head_dim or a.scale != attn.scale):
-                return False  # the stack rotates whole heads, with one attention scale and no soft-capping
+            if (qkv is None or o is None or mlp is None or cos_sin.shape[-1] != a.head_dim or a.scale != attn.scale
+                    or (a.mask.softcap is not None and a.head_dim % 16)):
+                return False  # the stack rotates whole heads, with one attention scale; capped scores: dims of 16
             norms = {"q_norm": _norm_weight(a.q_norm), "k_norm": _norm_weight(a.k_norm)} if a.qk_norm else {}
             if getattr(layer, "sandwich", False):  # Gemma 2/3: norms after attention and MLP, one before the MLP
                 norms |= {"attn_out_norm": _norm_weight(layer.post_attention_layernorm),
@@ -347,7 +347,8 @@ class LlamaForCausalLM(nn.Module):
             own_table = cos_sin.data_ptr() != self.cos_sin_cache.data_ptr()
             weights.append(LayerWeights(_norm_weight(layer.input_layernorm), _norm_weight(post_norm), qkv, o,
                                         cos_sin=cos_sin if own_table else None, window=a.mask.window,
-                                        activation=getattr(layer.mlp, "activation_name", "silu"), **norms, **mlp))
+                                        activation=getattr(layer.mlp, "activation_name", "silu"),
+                                        softcap=a.mask.softcap, **norms, **mlp))
         dense = any(isinstance(w, DenseWeight) for layer in weights for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                                         head_dim=attn.head_dim, eps=self.layers[0].input_layernorm.eps,

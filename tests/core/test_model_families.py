@@ -160,11 +160,12 @@ def test_gguf_files_of_each_family_run_in_their_own_types(fixture, request, tmp_
         assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == first
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"])
 def test_decode_steps_run_the_native_stack_with_the_per_layer_bits(fixture, request, tmp_path, monkeypatch):
     """A quantized file of a family beyond Llama: small decode steps run every layer in one native
-    call (an MoE's router and picked experts included, kernels/csrc/moe.c; Gemma 3's sandwich
-    norms, GeGLU and windowed local layers) and give the per-layer path's tokens and logprobs, one
+    call (an MoE's router and picked experts included, kernels/csrc/moe.c; Gemma 2's soft-capped
+    scores; Gemma 2/3's sandwich norms, GeGLU and windowed local layers) and give the per-layer
+    path's tokens and logprobs, one
     request at a time and two at once, past the sliding window."""
     import json
     import shutil

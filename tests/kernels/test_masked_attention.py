@@ -1,5 +1,5 @@
 """Sliding-window and soft-capped attention over the paged pool: the plain-torch path against a
-direct dense computation, and the native kernels' window against that path."""
+direct dense computation, and the native kernels' windows and soft-capping against it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radix_backend.kernels import masked_attention as ma
-from radix_backend.kernels import native
+from radix_backend.kernels import native, settings
 from radix_backend.kernels.attention_base import PLAIN, AttentionMetadata, ScoreMask
 from radix_backend.kernels.native_backend import NativeCPUAttentionBackend
 from radix_backend.kernels.torch_backend import TorchAttentionBackend
@@ -84,6 +84,41 @@ def test_native_window_matches_the_dense_masks(case, window, hq, hkv, dim):
     out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.2, ScoreMask(window=window))
     want = dense_reference(q, k_cache, v_cache, meta, slot_lists, 0.2, ScoreMask(window=window))
     torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mask", [ScoreMask(softcap=5.0), ScoreMask(softcap=0.5), ScoreMask(window=33, softcap=3.0)])
+@pytest.mark.parametrize("invariant", [True, False])
+def test_native_softcap_matches_the_dense_masks(case, mask, invariant):
+    """Gemma 2's soft-capped scores in the native extend and decode kernels (a cap under the scores'
+    spread too, where tanh saturates), alone and with a window; decode takes the invariant kernel
+    either way, so its rows keep the extend kernel's bits."""
+    prefix, extend = CASES[case]
+    q, k, v, k_cache, v_cache, meta, slot_lists = ragged_batch(prefix, extend, 6, 2, 32, seed=7)
+    backend = NativeCPUAttentionBackend()
+    backend.begin_forward(meta)
+    with settings.overridden(batch_invariant=invariant):
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.3, mask)
+    want = dense_reference(q, k_cache, v_cache, meta, slot_lists, 0.3, mask)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+def test_native_softcap_decode_rows_carry_the_extend_bits():
+    """A decode row of soft-capped attention equals the last row of a cold prefill of the same
+    request, bit for bit (what lets cached and uncached runs of Gemma 2 agree)."""
+    q, k, v, k_cache, v_cache, meta, slot_lists = ragged_batch([0], [90], 4, 2, 64, seed=3)
+    mask = ScoreMask(softcap=4.0)
+    whole = NativeCPUAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, 0.2, mask)
+    step = AttentionMetadata.build([89], [1], meta.kv_indices, meta.out_slots[89:], "cpu")
+    backend = NativeCPUAttentionBackend()
+    backend.begin_forward(step)
+    last = backend.forward(q[89:], k[89:], v[89:], k_cache, v_cache, step, 0.2, mask)
+    assert torch.equal(last, whole[89:])
+    with pytest.raises(ValueError, match="soft-capped"):
+        native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1], meta.extend_lens,
+                                meta.kv_indptr[:-1], meta.seq_lens, 0.1, softcap=0.0)
 
 
 @pytest.mark.skipif(not native.available(), reason="native kernels not built")
