@@ -36,7 +36,8 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP gates decode_stack.c runs
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("cos_sin", ctypes.c_void_p)]
+                ("scale", ctypes.c_float), ("cos_sin", ctypes.c_void_p), ("rot", ctypes.c_int64),
+                ("out_scale", ctypes.c_float)]
 
 
 @dataclass
@@ -72,15 +73,19 @@ class DecodeStack:
     """The decoder layers of one model for `run`; keeps the packed tensors alive for the C side."""
 
     def __init__(self, layers: list[LayerWeights], *, heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, cos_sin: torch.Tensor, max_tokens: int = 64) -> None:
-        if cos_sin.dtype != torch.float32 or cos_sin.shape[-1] != head_dim:
-            raise ValueError("the RoPE table must be fp32 [positions, head_dim] (full rotary)")
+                 scale: float, cos_sin: torch.Tensor, max_tokens: int = 64, out_scale: float = 1.0) -> None:
+        """`cos_sin` [positions, rot]: rot <= head_dim features of each head rotate (partial rotary
+        passes the rest through); `out_scale`: Granite's multiplier on attention and MLP outputs."""
+        rot = cos_sin.shape[-1]
+        if cos_sin.dtype != torch.float32 or rot > head_dim or rot % 2:
+            raise ValueError("the RoPE table must be fp32 [positions, rot], rot even and at most the head size")
         self.layers = layers
         self.max_tokens = max_tokens  # the largest step the caller should hand over (where it pays)
         self.cos_sin = cos_sin.contiguous()
         hidden = layers[0].input_norm.numel()
         intermediate = max((w.down.in_features for w in layers if w.moe is None), default=0)
-        self._dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, self.cos_sin.data_ptr())
+        self._dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, self.cos_sin.data_ptr(), rot,
+                           out_scale)
         self._structs = (_Layer * len(layers))()
         self._blocks = [w.moe.experts.block(w.moe.router, w.moe.top_k, w.moe.renormalise) if w.moe else None
                         for w in layers]
@@ -98,8 +103,8 @@ class DecodeStack:
             if w.q_norm is not None:
                 s.q_norm, s.k_norm = w.q_norm.data_ptr(), w.k_norm.data_ptr()
             if w.cos_sin is not None:
-                if w.cos_sin.dtype != torch.float32 or w.cos_sin.shape[-1] != head_dim or not w.cos_sin.is_contiguous():
-                    raise ValueError("a layer's RoPE table must be contiguous fp32 [positions, head_dim]")
+                if w.cos_sin.dtype != torch.float32 or w.cos_sin.shape[-1] != rot or not w.cos_sin.is_contiguous():
+                    raise ValueError("a layer's RoPE table must be contiguous fp32 [positions, rot] as the model's")
                 s.cos_sin = w.cos_sin.data_ptr()
             s.window = w.window or 0
             s.attn_out_norm = None if w.attn_out_norm is None else w.attn_out_norm.data_ptr()

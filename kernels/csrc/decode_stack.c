@@ -35,8 +35,16 @@ enum { RB_SILU = 0, RB_GELU_TANH = 1 };
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;     /* RMSNorm epsilon, attention scale */
-    const float *cos_sin; /* [positions, head_dim]: cos half, sin half (neox RoPE) */
+    const float *cos_sin; /* [positions, rot]: cos half, sin half (neox RoPE) */
+    int64_t rot;          /* rotated features per head (<= head_dim: partial rotary passes the rest) */
+    float out_scale;      /* Granite's residual multiplier on the attention and MLP outputs (else 1) */
 } rb_decoder_dims;
+
+/* x *= s elementwise (one rounding, as torch's `out * scale`); nothing for s == 1 */
+static void scale_rows(float *x, int64_t n, float s) {
+    if (s == 1.f) return;
+    for (int64_t i = 0; i < n; i++) x[i] *= s;
+}
 
 /* One new token per request. Token t belongs to request t, sits at positions[t], writes its K/V
    at pool slot out_slots[t], and attends to the slots kv_indices[starts[t] : starts[t] + lens[t]]
@@ -47,7 +55,8 @@ typedef struct {
    `invariant`: attention gives each row the extend kernel's bits (extend_attention.c).
    Layers may norm q and k per head (Qwen3, Gemma 3), route their MLP over experts (`moe`,
    moe.c), see a sliding window of keys, take their own RoPE table, norm their attention and MLP
-   outputs (Gemma's sandwich norms), soft-cap their attention scores (Gemma 2; head sizes that are
+   outputs (Gemma's sandwich norms), rotate part of each head (Phi-4-mini), scale both outputs
+   (Granite), soft-cap their attention scores (Gemma 2; head sizes that are
    multiples of 16) and gate their MLP with GELU.
    Returns 0, -1 if memory ran out, -2 for other activation bits. */
 int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_decoder_dims *d, int64_t T,
@@ -84,10 +93,10 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             rb_add_rms_norm(NULL, row + q_size, L->k_norm, d->kv_heads, D, d->eps, row + q_size, NULL);
         }
         const float *cos_sin = L->cos_sin ? L->cos_sin : d->cos_sin;
-        rb_rope(qkv, qkv_size, T, d->heads, D, positions, cos_sin, D, q);
+        rb_rope(qkv, qkv_size, T, d->heads, D, positions, cos_sin, d->rot, q);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_size;
-            rb_rope(row + q_size, qkv_size, 1, d->kv_heads, D, positions + t, cos_sin, D,
+            rb_rope(row + q_size, qkv_size, 1, d->kv_heads, D, positions + t, cos_sin, d->rot,
                     L->k_cache + out_slots[t] * kv_size);
             memcpy(L->v_cache + out_slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
@@ -108,6 +117,7 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             rc = rb_decode_attention(q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T, d->kv_heads,
                                      d->heads / d->kv_heads, D, d->scale, attn, NULL, threads);
         q4_linear(&L->o, attn, T, &quantized, hidden, threads);
+        scale_rows(hidden, T * H, d->out_scale);
         if (L->attn_out_norm) rb_add_rms_norm(NULL, hidden, L->attn_out_norm, T, H, d->eps, hidden, NULL);
         rb_add_rms_norm(hidden, residual, L->post_norm, T, H, d->eps, normed, residual);
         if (L->moe) {
@@ -121,6 +131,7 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             (L->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul)(gate_up, T, I, act);
             q4_linear(&L->down, act, T, &quantized, hidden, threads);
         }
+        scale_rows(hidden, T * H, d->out_scale);
         if (L->mlp_out_norm) rb_add_rms_norm(NULL, hidden, L->mlp_out_norm, T, H, d->eps, hidden, NULL);
     }
     q4_activations_free(&quantized);

@@ -323,20 +323,21 @@ class LlamaForCausalLM(nn.Module):
     def build_decode_stack(self) -> bool:
         """Let small decode steps run every layer in one native call (kernels/decode_stack.py):
         possible when every linear has a native form (natively packed low-bit weights, or fp32
-        `nn.Linear`s on the CPU), the layers are Llama ones (pre-norms, q/k norms or none, SiLU
-        MLPs dense or routed, whole-head RoPE) and one process runs them. Returns whether it was
-        set up."""
+        `nn.Linear`s on the CPU), the layers are Llama-like ones (pre- or sandwich norms, q/k norms
+        per head or none, SiLU or GeGLU MLPs dense or routed, RoPE on all or part of each head,
+        Granite's output multiplier) and one process runs them. Returns whether it was set up."""
         attn = self.layers[0].self_attn
-        if self.tp_size != 1 or attn.out_scale != 1.0:
-            return False  # one process; no output scales in the stack
+        if self.tp_size != 1:
+            return False  # one process
         weights = []
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             qkv, o, mlp = _native_weight(a.qkv_proj), _native_weight(a.o_proj), self.stack_mlp(layer)
             cos_sin = self.layer_cos_sin(i).float().contiguous()
-            if (qkv is None or o is None or mlp is None or cos_sin.shape[-1] != a.head_dim or a.scale != attn.scale
-                    or (a.mask.softcap is not None and a.head_dim % 16)):
-                return False  # the stack rotates whole heads, with one attention scale; capped scores: dims of 16
+            if (qkv is None or o is None or mlp is None or cos_sin.shape[-1] != self.cos_sin_cache.shape[-1]
+                    or a.scale != attn.scale or (a.mask.softcap is not None and a.head_dim % 16)
+                    or a.out_scale != attn.out_scale or getattr(layer.mlp, "out_scale", 1.0) != attn.out_scale):
+                return False  # one rotary width, attention scale and output multiplier; capped scores: dims of 16
             norms = {"q_norm": _norm_weight(a.q_norm), "k_norm": _norm_weight(a.k_norm)} if a.qk_norm else {}
             if getattr(layer, "sandwich", False):  # Gemma 2/3: norms after attention and MLP, one before the MLP
                 norms |= {"attn_out_norm": _norm_weight(layer.post_attention_layernorm),
@@ -353,7 +354,8 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                                         head_dim=attn.head_dim, eps=self.layers[0].input_layernorm.eps,
                                         scale=attn.scale, cos_sin=self.cos_sin_cache.float(),
-                                        max_tokens=DENSE_DECODE_STACK_MAX_TOKENS if dense else DECODE_STACK_MAX_TOKENS)
+                                        max_tokens=DENSE_DECODE_STACK_MAX_TOKENS if dense else DECODE_STACK_MAX_TOKENS,
+                                        out_scale=attn.out_scale)
         return True
 
     @staticmethod
