@@ -26,7 +26,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", Q4WeightStruct),
                 ("o", Q4WeightStruct), ("gate_up", Q4WeightStruct), ("down", Q4WeightStruct),
                 ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("moe", ctypes.POINTER(MoEBlockStruct)), ("cos_sin", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qk_norm_whole", ctypes.c_int64), ("moe", ctypes.POINTER(MoEBlockStruct)), ("cos_sin", ctypes.c_void_p),
                 ("window", ctypes.c_int64), ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
                 ("activation", ctypes.c_int64), ("softcap", ctypes.c_float)]
 
@@ -52,14 +52,15 @@ class RoutedMLP:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden] fp32
-    post_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # [hidden] fp32 norms before attention and MLP (None: OLMo 2's
+    post_norm: torch.Tensor | None   # stream enters both unnormed; its norms are the out_norms below)
     qkv: NativeWeight  # q, k, v heads stacked (one weight, or a chain of three)
     o: NativeWeight
     gate_up: NativeWeight | None  # gate then up (None with `moe`)
     down: NativeWeight | None
     q_norm: torch.Tensor | None = None  # [head_dim] fp32, per head before RoPE (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
+    qk_norm_whole: bool = False  # OLMo 2: q_norm/k_norm span the whole projection, all heads at once
     moe: RoutedMLP | None = None
     cos_sin: torch.Tensor | None = None  # this layer's RoPE table (Gemma 3's local layers), else the model's
     window: int | None = None  # a sliding window of keys
@@ -82,7 +83,7 @@ class DecodeStack:
         self.layers = layers
         self.max_tokens = max_tokens  # the largest step the caller should hand over (where it pays)
         self.cos_sin = cos_sin.contiguous()
-        hidden = layers[0].input_norm.numel()
+        hidden = layers[0].qkv.in_features
         intermediate = max((w.down.in_features for w in layers if w.moe is None), default=0)
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, self.cos_sin.data_ptr(), rot,
                            out_scale)
@@ -92,7 +93,11 @@ class DecodeStack:
         for s, w, block in zip(self._structs, layers, self._blocks):
             if (w.moe is None) == (w.gate_up is None or w.down is None):
                 raise ValueError("a layer has either gate_up and down or a routed MLP")
-            s.input_norm, s.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
+            if (w.input_norm is None) != (w.post_norm is None):
+                raise ValueError("a layer has both pre-norms or neither")
+            if w.input_norm is not None:
+                s.input_norm, s.post_norm = w.input_norm.data_ptr(), w.post_norm.data_ptr()
+            s.qk_norm_whole = int(w.qk_norm_whole)
             s.qkv, s.o = w.qkv.as_struct(), w.o.as_struct()
             if block is None:
                 s.gate_up, s.down = w.gate_up.as_struct(), w.down.as_struct()

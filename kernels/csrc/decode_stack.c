@@ -18,10 +18,13 @@
 
 /* ---- the decoder stack ---------------------------------------------------------------------- */
 typedef struct {
-    const float *input_norm, *post_norm; /* [hidden] RMSNorm weights */
+    const float *input_norm, *post_norm; /* [hidden] RMSNorm weights before attention and MLP, or both
+                                            NULL (OLMo 2: the stream enters both unnormed) */
     rb_q4_weight qkv, o, gate_up, down;  /* qkv: q, k, v heads stacked; gate_up: gate, up */
     float *k_cache, *v_cache;            /* this layer's pool [slots, kv_heads, head_dim] */
-    const float *q_norm, *k_norm;        /* [head_dim] RMSNorm weights per head before RoPE, or NULL */
+    const float *q_norm, *k_norm;        /* RMSNorm weights before RoPE, or NULL: [head_dim] per head, or
+                                            with `qk_norm_whole` [heads * head_dim] over the projection */
+    int64_t qk_norm_whole;               /* OLMo 2: q and k normed over all heads at once */
     const rb_moe_block *moe;             /* a routed MLP instead of gate_up/down, or NULL */
     const float *cos_sin;                /* this layer's RoPE table, or NULL: the model's (dims) */
     int64_t window;                      /* a sliding window: each token sees its last `window` keys; 0: all */
@@ -39,6 +42,11 @@ typedef struct {
     int64_t rot;          /* rotated features per head (<= head_dim: partial rotary passes the rest) */
     float out_scale;      /* Granite's residual multiplier on the attention and MLP outputs (else 1) */
 } rb_decoder_dims;
+
+/* residual += x, elementwise (the same sum as the fused add-and-norm's) */
+static void add_rows(float *residual, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) residual[i] += x[i];
+}
 
 /* x *= s elementwise (one rounding, as torch's `out * scale`); nothing for s == 1 */
 static void scale_rows(float *x, int64_t n, float s) {
@@ -85,12 +93,17 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
     int rc = 0;
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         const rb_decoder_layer *L = layers + l;
-        rb_add_rms_norm(l ? hidden : NULL, residual, L->input_norm, T, H, d->eps, normed, l ? residual : NULL);
-        q4_linear(&L->qkv, normed, T, &quantized, qkv, threads);
-        for (int64_t t = 0; L->q_norm && t < T; t++) { /* Qwen3: each head normed in place */
+        const float *attn_in = L->input_norm ? normed : residual; /* OLMo 2: the stream itself */
+        if (L->input_norm)
+            rb_add_rms_norm(l ? hidden : NULL, residual, L->input_norm, T, H, d->eps, normed, l ? residual : NULL);
+        else if (l)
+            add_rows(residual, hidden, T * H);
+        q4_linear(&L->qkv, attn_in, T, &quantized, qkv, threads);
+        for (int64_t t = 0; L->q_norm && t < T; t++) { /* normed in place: each head (Qwen3), or all (OLMo 2) */
             float *row = qkv + t * qkv_size;
-            rb_add_rms_norm(NULL, row, L->q_norm, d->heads, D, d->eps, row, NULL);
-            rb_add_rms_norm(NULL, row + q_size, L->k_norm, d->kv_heads, D, d->eps, row + q_size, NULL);
+            const int64_t q_rows = L->qk_norm_whole ? 1 : d->heads, k_rows = L->qk_norm_whole ? 1 : d->kv_heads;
+            rb_add_rms_norm(NULL, row, L->q_norm, q_rows, q_size / q_rows, d->eps, row, NULL);
+            rb_add_rms_norm(NULL, row + q_size, L->k_norm, k_rows, kv_size / k_rows, d->eps, row + q_size, NULL);
         }
         const float *cos_sin = L->cos_sin ? L->cos_sin : d->cos_sin;
         rb_rope(qkv, qkv_size, T, d->heads, D, positions, cos_sin, d->rot, q);
@@ -119,15 +132,19 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
         q4_linear(&L->o, attn, T, &quantized, hidden, threads);
         scale_rows(hidden, T * H, d->out_scale);
         if (L->attn_out_norm) rb_add_rms_norm(NULL, hidden, L->attn_out_norm, T, H, d->eps, hidden, NULL);
-        rb_add_rms_norm(hidden, residual, L->post_norm, T, H, d->eps, normed, residual);
+        const float *mlp_in = L->post_norm ? normed : residual;
+        if (L->post_norm)
+            rb_add_rms_norm(hidden, residual, L->post_norm, T, H, d->eps, normed, residual);
+        else
+            add_rows(residual, hidden, T * H);
         if (L->moe) {
             const rb_moe_block *M = L->moe;
-            q4_linear(M->router, normed, T, &quantized, route, threads);
+            q4_linear(M->router, mlp_in, T, &quantized, route, threads);
             rb_moe_route(route, T, M->experts, M->top_k, M->renormalise, picks, (float *)(picks + T * M->top_k));
-            rc = rb_moe_experts(M->gate_up, M->down, M->experts, normed, T, picks, (float *)(picks + T * M->top_k),
+            rc = rb_moe_experts(M->gate_up, M->down, M->experts, mlp_in, T, picks, (float *)(picks + T * M->top_k),
                                 M->top_k, hidden, threads, activation_bits);
         } else {
-            q4_linear(&L->gate_up, normed, T, &quantized, gate_up, threads);
+            q4_linear(&L->gate_up, mlp_in, T, &quantized, gate_up, threads);
             (L->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul)(gate_up, T, I, act);
             q4_linear(&L->down, act, T, &quantized, hidden, threads);
         }

@@ -338,25 +338,32 @@ class LlamaForCausalLM(nn.Module):
                     or a.scale != attn.scale or (a.mask.softcap is not None and a.head_dim % 16)
                     or a.out_scale != attn.out_scale or getattr(layer.mlp, "out_scale", 1.0) != attn.out_scale):
                 return False  # one rotary width, attention scale and output multiplier; capped scores: dims of 16
-            norms = {"q_norm": _norm_weight(a.q_norm), "k_norm": _norm_weight(a.k_norm)} if a.qk_norm else {}
-            if getattr(layer, "sandwich", False):  # Gemma 2/3: norms after attention and MLP, one before the MLP
-                norms |= {"attn_out_norm": _norm_weight(layer.post_attention_layernorm),
-                          "mlp_out_norm": _norm_weight(layer.post_feedforward_layernorm)}
-                post_norm = layer.pre_feedforward_layernorm
-            else:
-                post_norm = layer.post_attention_layernorm
             own_table = cos_sin.data_ptr() != self.cos_sin_cache.data_ptr()
-            weights.append(LayerWeights(_norm_weight(layer.input_layernorm), _norm_weight(post_norm), qkv, o,
+            weights.append(LayerWeights(qkv=qkv, o=o, **self.stack_norms(layer),
                                         cos_sin=cos_sin if own_table else None, window=a.mask.window,
                                         activation=getattr(layer.mlp, "activation_name", "silu"),
-                                        softcap=a.mask.softcap, **norms, **mlp))
+                                        softcap=a.mask.softcap, **mlp))
         dense = any(isinstance(w, DenseWeight) for layer in weights for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-                                        head_dim=attn.head_dim, eps=self.layers[0].input_layernorm.eps,
+                                        head_dim=attn.head_dim, eps=self.config.rms_norm_eps,
                                         scale=attn.scale, cos_sin=self.cos_sin_cache.float(),
                                         max_tokens=DENSE_DECODE_STACK_MAX_TOKENS if dense else DECODE_STACK_MAX_TOKENS,
                                         out_scale=attn.out_scale)
         return True
+
+    @staticmethod
+    def stack_norms(layer: nn.Module) -> dict:
+        """A layer's norms as the decode stack's LayerWeights fields: before attention and MLP,
+        Gemma 2/3's after them too (theirs before the MLP is `pre_feedforward_layernorm`), q/k norms per head."""
+        a = layer.self_attn
+        norms = {"q_norm": _norm_weight(a.q_norm), "k_norm": _norm_weight(a.k_norm)} if a.qk_norm else {}
+        if getattr(layer, "sandwich", False):
+            return norms | {"input_norm": _norm_weight(layer.input_layernorm),
+                            "post_norm": _norm_weight(layer.pre_feedforward_layernorm),
+                            "attn_out_norm": _norm_weight(layer.post_attention_layernorm),
+                            "mlp_out_norm": _norm_weight(layer.post_feedforward_layernorm)}
+        return norms | {"input_norm": _norm_weight(layer.input_layernorm),
+                        "post_norm": _norm_weight(layer.post_attention_layernorm)}
 
     @staticmethod
     def stack_mlp(layer: nn.Module) -> dict | None:

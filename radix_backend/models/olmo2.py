@@ -16,7 +16,7 @@ from torch import nn
 from radix_backend.kernels import ops
 from radix_backend.kernels.attention_base import AttentionBackend, AttentionMetadata
 
-from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm, _norm_weight
 
 ARCHITECTURES = ("Olmo2ForCausalLM",)
 
@@ -66,5 +66,11 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     def make_layer(config, layer_id: int, tp_size: int, all_reduce) -> nn.Module:
         return Olmo2DecoderLayer(config, layer_id, tp_size, all_reduce)
 
-    def build_decode_stack(self) -> bool:
-        return False  # the one-call stack runs pre-norm layers
+    @staticmethod
+    def stack_norms(layer: nn.Module) -> dict:
+        """No norms before attention or MLP: both outputs normed, q and k over the whole projection."""
+        a = layer.self_attn
+        return {"input_norm": None, "post_norm": None, "q_norm": _norm_weight(a.q_norm),
+                "k_norm": _norm_weight(a.k_norm), "qk_norm_whole": True,
+                "attn_out_norm": _norm_weight(layer.post_attention_layernorm),
+                "mlp_out_norm": _norm_weight(layer.post_feedforward_layernorm)}

@@ -215,14 +215,16 @@ def _stack_calls(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir", "tiny_mistral_window_dir", "tiny_gemma_dir",
-                                     "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_phi4_dir", "tiny_granite_dir"])
+                                     "tiny_gemma2_dir", "tiny_gemma3_dir", "tiny_phi4_dir", "tiny_granite_dir",
+                                     "tiny_olmo2_dir"])
 def test_stack_equals_the_per_layer_path(fixture, request, monkeypatch):
     """Same 4-bit weights, same native ops: one call for all layers gives the per-layer path's
     greedy tokens and logprobs, for one request and for a few at once, and fills the same cache
     (Qwen3: with its q/k norms per head; Mistral: a sliding window shorter than the context; Gemma:
     GeGLU and scaled embeddings; Gemma 2: soft-capped scores, local layers; Gemma 3: sandwich norms,
     q/k norms, local layers with their own window and RoPE base; Phi-4-mini: RoPE on 3/4 of each
-    head; Granite: its multipliers)."""
+    head; Granite: its multipliers; OLMo 2: no pre-norms, norms after attention and MLP, q/k norms
+    over the whole projection)."""
     calls = _stack_calls(monkeypatch)
     params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True)
     prompts = ["The quick brown fox", "A radix tree stores", "Once upon a time " * 20]  # past both windows
