@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
-from .moe_experts import MoEBlockStruct, NativeExperts, NativeWeight
+from .moe_experts import MoEBlockStruct, NativeExperts, NativeWeight, SharedExpert
 from .q4 import Q4WeightStruct
 
 
@@ -42,12 +42,14 @@ class _Dims(ctypes.Structure):
 
 @dataclass
 class RoutedMLP:
-    """A layer's mixture-of-experts MLP: its router [experts, hidden] and experts."""
+    """A layer's mixture-of-experts MLP: its router [experts, hidden] and experts (and Qwen2-MoE's
+    shared expert)."""
 
     router: NativeWeight
     experts: NativeExperts
     top_k: int
     renormalise: bool
+    shared: SharedExpert | None = None
 
 
 @dataclass
@@ -88,7 +90,7 @@ class DecodeStack:
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, self.cos_sin.data_ptr(), rot,
                            out_scale)
         self._structs = (_Layer * len(layers))()
-        self._blocks = [w.moe.experts.block(w.moe.router, w.moe.top_k, w.moe.renormalise) if w.moe else None
+        self._blocks = [w.moe.experts.block(w.moe.router, w.moe.top_k, w.moe.renormalise, w.moe.shared) if w.moe else None
                         for w in layers]
         for s, w, block in zip(self._structs, layers, self._blocks):
             if (w.moe is None) == (w.gate_up is None or w.down is None):

@@ -10,18 +10,42 @@ expert, so each expert any row picked reads its weights once per step.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from . import native
-from .q4 import DenseWeight, PackedQ4, Q4WeightStruct
+from .q4 import DenseWeight, PackedQ4, Q4WeightStruct, q4_matmul
 
 NativeWeight = PackedQ4 | DenseWeight
 
 
 class MoEBlockStruct(ctypes.Structure):
     _fields_ = [("router", ctypes.POINTER(Q4WeightStruct)), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("renormalise", ctypes.c_int64)]
+                ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("renormalise", ctypes.c_int64),
+                ("shared_gate_up", ctypes.POINTER(Q4WeightStruct)), ("shared_down", ctypes.POINTER(Q4WeightStruct)),
+                ("shared_gate", ctypes.POINTER(Q4WeightStruct)), ("shared_intermediate", ctypes.c_int64)]
+
+
+@dataclass
+class SharedExpert:
+    """Qwen2-MoE's shared expert in native form: a SiLU MLP (gate|up chained, down) added to the routed
+    experts' sum times sigmoid(gate . x); `gate` is the fp32 [1, hidden] weight."""
+
+    gate_up: NativeWeight
+    down: NativeWeight
+    gate: DenseWeight
+
+    def __post_init__(self) -> None:
+        if self.gate.out_features != 1 or self.gate_up.total_out != 2 * self.down.in_features:
+            raise ValueError("a shared expert needs a one-row fp32 gate and gate|up twice down's input")
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, threads: int, activation_bits: int) -> torch.Tensor:
+        """out + sigmoid(gate . x) * mlp(x), each step the kernel the decode stack runs."""
+        hidden = native.silu_and_mul(q4_matmul(x, self.gate_up, threads=threads, activation_bits=activation_bits))
+        shared = q4_matmul(hidden, self.down, threads=threads, activation_bits=activation_bits)
+        logits = q4_matmul(x, self.gate, threads=threads, activation_bits=activation_bits)
+        return native.sigmoid_gated_add(out, logits, shared)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +104,14 @@ class NativeExperts:
             raise native.NativeKernelError("the experts could not allocate their scratch memory")
         return out
 
-    def block(self, router: NativeWeight, top_k: int, renormalise: bool) -> MoEBlockStruct:
-        """The decode stack's view of this layer's routed block."""
-        return MoEBlockStruct(ctypes.pointer(router.as_struct()), ctypes.addressof(self.gate_up_ptrs),
-                              ctypes.addressof(self.down_ptrs), self.count, top_k, int(renormalise))
+    def block(self, router: NativeWeight, top_k: int, renormalise: bool,
+              shared: SharedExpert | None = None) -> MoEBlockStruct:
+        """The decode stack's view of this layer's routed block (and shared expert)."""
+        block = MoEBlockStruct(ctypes.pointer(router.as_struct()), ctypes.addressof(self.gate_up_ptrs),
+                               ctypes.addressof(self.down_ptrs), self.count, top_k, int(renormalise))
+        if shared is not None:
+            block.shared_gate_up = ctypes.pointer(shared.gate_up.as_struct())
+            block.shared_down = ctypes.pointer(shared.down.as_struct())
+            block.shared_gate = ctypes.pointer(shared.gate.as_struct())
+            block.shared_intermediate = shared.down.in_features
+        return block

@@ -54,6 +54,7 @@ _SIGNATURES = {
     "rb_silu_and_mul": ([_P, _I, _I, _P], None),
     "rb_silu_and_mul_bf16": ([_P, _I, _I, _P], None),
     "rb_gelu_tanh_and_mul": ([_P, _I, _I, _P], None),
+    "rb_sigmoid_gated_add": ([_P, _P, _P, _I, _I], None),
     "rb_q4_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P], None),
     "rb_q4_smallest_8bit_code": ([], ctypes.c_int),
@@ -339,6 +340,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     kernel = library().rb_silu_and_mul_bf16 if x.dtype == torch.bfloat16 else library().rb_silu_and_mul
     kernel(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+    return out
+
+
+def sigmoid_gated_add(y: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y + sigmoid(gate) * x for fp32 y, x [T, d] and gate [T, 1] (Qwen2-MoE's shared expert), as a
+    new tensor; the decode stack adds it with the same function."""
+    for name, t in (("y", y), ("gate", gate), ("x", x)):
+        check_float32(name, t, 2)
+    if x.shape != y.shape or gate.shape != (y.shape[0], 1):
+        raise ValueError(f"y, x [T, d] and gate [T, 1]; got {tuple(y.shape)}, {tuple(x.shape)}, {tuple(gate.shape)}")
+    out, gate, x = y.contiguous().clone(), gate.contiguous(), x.contiguous()
+    library().rb_sigmoid_gated_add(out.data_ptr(), gate.data_ptr(), x.data_ptr(), out.shape[0], out.shape[1])
     return out
 
 

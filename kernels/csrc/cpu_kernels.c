@@ -254,6 +254,16 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* y [rows, d] += sigmoid(gate[r]) * x [rows, d], row by row: Qwen2-MoE's shared expert added to the
+   routed experts' sum. One function for the per-layer path and the decode stack, so both give the
+   same bits. */
+void rb_sigmoid_gated_add(float *y, const float *gate, const float *x, int64_t rows, int64_t d) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float s = 1.f / (1.f + expf(-gate[r]));
+        for (int64_t i = 0; i < d; i++) y[r * d + i] += s * x[r * d + i];
+    }
+}
+
 /* rb_silu_and_mul on bf16 rows: computed in fp32 exactly as the fp32 kernel (so the result is
    the fp32 kernel's on the upcast input, rounded once), read and written as bf16 so that the
    MLP's dense bf16 GEMMs need no casts around it */

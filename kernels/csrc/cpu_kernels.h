@@ -26,6 +26,7 @@ void rb_rope(const float *x, int64_t x_stride, int64_t tokens, int64_t heads, in
              const int64_t *positions, const float *cos_sin, int64_t rot, float *out);
 void rb_silu_and_mul(const float *x, int64_t rows, int64_t d, float *out);
 void rb_gelu_tanh_and_mul(const float *x, int64_t rows, int64_t d, float *out);
+void rb_sigmoid_gated_add(float *y, const float *gate, const float *x, int64_t rows, int64_t d);
 void rb_silu_and_mul_bf16(const uint16_t *x, int64_t rows, int64_t d, uint16_t *out);
 
 #endif

@@ -43,6 +43,11 @@ typedef struct {
     float out_scale;      /* Granite's residual multiplier on the attention and MLP outputs (else 1) */
 } rb_decoder_dims;
 
+static inline int64_t max4(int64_t a, int64_t b, int64_t c, int64_t d) {
+    const int64_t ab = a > b ? a : b, cd = c > d ? c : d;
+    return ab > cd ? ab : cd;
+}
+
 /* residual += x, elementwise (the same sum as the fused add-and-norm's) */
 static void add_rows(float *residual, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) residual[i] += x[i];
@@ -73,15 +78,17 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
                     int64_t activation_bits, int64_t invariant) {
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = d->intermediate;
-    const int64_t widest = H > I ? (H > q_size ? H : q_size) : (I > q_size ? I : q_size);
     if (activation_bits != 8 && activation_bits != 16) return -2;
     int64_t experts = 0, top_k = 0; /* the widest routed block's router outputs and picks */
+    int64_t shared = 0; /* the widest shared expert (Qwen2-MoE) */
     for (int64_t l = 0; l < n_layers; l++)
         if (layers[l].moe) {
             experts = layers[l].moe->experts > experts ? layers[l].moe->experts : experts;
             top_k = layers[l].moe->top_k > top_k ? layers[l].moe->top_k : top_k;
+            shared = layers[l].moe->shared_intermediate > shared ? layers[l].moe->shared_intermediate : shared;
         }
-    float *scratch = (float *)malloc(sizeof(float) * T * (H + qkv_size + 2 * q_size + 3 * I + experts));
+    const int64_t widest = max4(H, I, q_size, shared); /* of the linears' inputs */
+    float *scratch = (float *)malloc(sizeof(float) * T * (H + qkv_size + 2 * q_size + 3 * I + experts + 3 * shared + H + 1));
     int64_t *picks = (int64_t *)malloc(sizeof(int64_t) * T * (top_k * 2 + 2) + 1); /* ids, fp32 weights; windows */
     q4_activations quantized;
     if (!scratch || !picks || q4_activations_alloc(&quantized, T, widest, (int)(activation_bits / 8))) {
@@ -90,6 +97,8 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
     }
     float *normed = scratch, *qkv = normed + T * H, *q = qkv + T * qkv_size, *attn = q + T * q_size;
     float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * I, *route = act + T * I;
+    float *shared_gate_up = route + T * experts, *shared_act = shared_gate_up + T * 2 * shared;
+    float *shared_out = shared_act + T * shared, *shared_logit = shared_out + T * H;
     int rc = 0;
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         const rb_decoder_layer *L = layers + l;
@@ -143,6 +152,13 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             rb_moe_route(route, T, M->experts, M->top_k, M->renormalise, picks, (float *)(picks + T * M->top_k));
             rc = rb_moe_experts(M->gate_up, M->down, M->experts, mlp_in, T, picks, (float *)(picks + T * M->top_k),
                                 M->top_k, hidden, threads, activation_bits);
+            if (M->shared_gate_up) { /* Qwen2-MoE: the shared expert, gated by a sigmoid */
+                q4_linear(M->shared_gate_up, mlp_in, T, &quantized, shared_gate_up, threads);
+                rb_silu_and_mul(shared_gate_up, T, M->shared_intermediate, shared_act);
+                q4_linear(M->shared_down, shared_act, T, &quantized, shared_out, threads);
+                q4_linear(M->shared_gate, mlp_in, T, &quantized, shared_logit, threads);
+                rb_sigmoid_gated_add(hidden, shared_logit, shared_out, T, H);
+            }
         } else {
             q4_linear(&L->gate_up, mlp_in, T, &quantized, gate_up, threads);
             (L->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul)(gate_up, T, I, act);

@@ -7,12 +7,17 @@
 #include "q4.h"
 
 /* One layer's routed block for the decode stack: the router [experts, hidden] and per expert its
-   gate|up chain [2 * intermediate, hidden] and its down projection [hidden, intermediate]. */
+   gate|up chain [2 * intermediate, hidden] and its down projection [hidden, intermediate]; and
+   Qwen2-MoE's shared expert (or NULLs): its gate|up [2 * shared_intermediate, hidden], down
+   [hidden, shared_intermediate] and sigmoid gate [1, hidden], added as
+   sigmoid(gate . x) * down(silu(gate_x) * up_x) (rb_sigmoid_gated_add). */
 typedef struct {
     const rb_q4_weight *router;
     const rb_q4_weight *const *gate_up;
     const rb_q4_weight *const *down;
     int64_t experts, top_k, renormalise;
+    const rb_q4_weight *shared_gate_up, *shared_down, *shared_gate;
+    int64_t shared_intermediate;
 } rb_moe_block;
 
 /* logits [T, E] -> per row the top_k experts by softmax probability, largest first (ties: the

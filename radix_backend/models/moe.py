@@ -24,7 +24,7 @@ from torch import nn
 
 from radix_backend.kernels import moe_experts, native, ops, q4, quant, settings
 from radix_backend.kernels.decode_stack import RoutedMLP
-from radix_backend.kernels.moe_experts import NativeExperts, NativeWeight
+from radix_backend.kernels.moe_experts import NativeExperts, NativeWeight, SharedExpert
 from radix_backend.kernels.q4 import DenseWeight
 
 from .llama import MLP, DecoderLayer, Linear, LlamaForCausalLM
@@ -153,10 +153,26 @@ class SparseMoE(nn.Module):
                 down = [getattr(lin, "native_q4", None) for lin in experts.down_linears]
                 if all(w is not None for w in gate_up + down):
                     try:
-                        self._native = RoutedMLP(router, NativeExperts(gate_up, down), self.top_k, self.renormalise)
+                        self._native = RoutedMLP(router, NativeExperts(gate_up, down), self.top_k, self.renormalise,
+                                                 self._native_shared())
                     except ValueError:  # padded rows: the per-expert linears run as they are
                         self._native = None
         return self._native
+
+    def _native_shared(self) -> SharedExpert | None:
+        """Qwen2-MoE's shared expert in native form: packed gate|up and down, and the one-row fp32
+        gate (a GGUF keeps it F32), or None (then it runs as torch modules, outside the decode stack)."""
+        if self.shared_expert is None:
+            return None
+        gate_up = getattr(self.shared_expert.gate_up_proj, "native_q4", None)
+        down = getattr(self.shared_expert.down_proj, "native_q4", None)
+        gate = _router_weight(self.shared_expert_gate)
+        if gate_up is None or down is None or not isinstance(gate, DenseWeight):
+            return None
+        try:
+            return SharedExpert(gate_up, down, gate)
+        except ValueError:
+            return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         block = self.native_block() if native.supports(x) else None
@@ -173,7 +189,10 @@ class SparseMoE(nn.Module):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             out = self.experts(x, expert_ids, weights.to(x.dtype))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            if block is not None and block.shared is not None:  # the decode stack's kernels again
+                out = block.shared(out.reshape(flat.shape), flat, threads, bits).view_as(x)
+            else:
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
@@ -196,11 +215,11 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def stack_mlp(layer: nn.Module) -> dict | None:
-        """A routed layer joins the decode stack with its native router and experts (no shared expert)."""
+        """A routed layer joins the decode stack with its native router and experts (and shared expert)."""
         if not isinstance(layer.mlp, SparseMoE):
             return LlamaForCausalLM.stack_mlp(layer)
         block = layer.mlp.native_block()
-        if block is None or layer.mlp.shared_expert is not None:
+        if block is None or (layer.mlp.shared_expert is not None and block.shared is None):
             return None
         return {"gate_up": None, "down": None, "moe": block}
 

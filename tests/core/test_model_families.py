@@ -160,13 +160,14 @@ def test_gguf_files_of_each_family_run_in_their_own_types(fixture, request, tmp_
         assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == first
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_gemma2_dir", "tiny_gemma3_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir", "tiny_gemma2_dir",
+                                     "tiny_gemma3_dir"])
 def test_decode_steps_run_the_native_stack_with_the_per_layer_bits(fixture, request, tmp_path, monkeypatch):
     """A quantized file of a family beyond Llama: small decode steps run every layer in one native
-    call (an MoE's router and picked experts included, kernels/csrc/moe.c; Gemma 2's soft-capped
-    scores; Gemma 2/3's sandwich norms, GeGLU and windowed local layers) and give the per-layer
-    path's tokens and logprobs, one
-    request at a time and two at once, past the sliding window."""
+    call (an MoE's router and picked experts included, kernels/csrc/moe.c, and Qwen2-MoE's
+    sigmoid-gated shared expert beside a dense layer; Gemma 2's soft-capped scores; Gemma 2/3's
+    sandwich norms, GeGLU and windowed local layers) and give the per-layer path's tokens and
+    logprobs, one request at a time and two at once, past the sliding window."""
     import json
     import shutil
 
@@ -186,7 +187,9 @@ def test_decode_steps_run_the_native_stack_with_the_per_layer_bits(fixture, requ
     with Engine(str(path), kv_cache_tokens=2048, device="cpu", quantization="auto", speculative=False) as engine:
         model = engine.runner.model
         assert engine.runner.quantization.decode_stack and model.decode_stack is not None
-        assert all((layer.moe is not None) == ("gemma" not in fixture) for layer in model.decode_stack.layers)
+        routed = [layer.moe for layer in model.decode_stack.layers if layer.moe is not None]
+        assert len(routed) == {"tiny_qwen2_moe_dir": 2}.get(fixture, 0 if "gemma" in fixture else len(model.layers))
+        assert all((block.shared is not None) == ("qwen2_moe" in fixture) for block in routed)
         ids = [engine.encode(p) for p in PROMPTS[:2]]
         stacked = [engine.generate(input_ids=i, params=params) for i in ids] + engine.generate(input_ids=ids,
                                                                                                params=params)

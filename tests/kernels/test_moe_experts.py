@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radix_backend.kernels import moe_experts, native, q4
-from radix_backend.kernels.moe_experts import NativeExperts
+from radix_backend.kernels.moe_experts import NativeExperts, SharedExpert
 
 from test_decode_stack import random_q4, relative_error
 
@@ -77,6 +77,26 @@ def test_a_rows_bits_do_not_depend_on_its_batch_mates(bits):
     for t in range(4):
         alone = experts(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], threads=2, activation_bits=bits)
         assert torch.equal(alone, batch[t:t + 1])
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_shared_expert_adds_its_sigmoid_gated_mlp(tokens):
+    """Qwen2-MoE's shared expert: out + sigmoid(gate . x) * down(silu(x gate) * (x up)), against float64
+    on the same weights; a gate that is not one fp32 row is refused."""
+    gate, up, down = (random_q4(INTERMEDIATE, HIDDEN, 40), random_q4(INTERMEDIATE, HIDDEN, 41),
+                      random_q4(HIDDEN, INTERMEDIATE, 42))
+    gen = torch.Generator().manual_seed(tokens)
+    router = torch.randn(1, HIDDEN, generator=gen)
+    shared = SharedExpert(q4.chain([q4.pack_q4(w.codes, w.scale, w.minimum) for w in (gate, up)]),
+                          q4.pack_q4(down.codes, down.scale, down.minimum), q4.DenseWeight(router, None))
+    x, out = torch.randn(tokens, HIDDEN, generator=gen), torch.randn(tokens, HIDDEN, generator=gen)
+    xd = x.double()
+    mlp = (torch.nn.functional.silu(xd @ gate.dequantize().double().t()) * (xd @ up.dequantize().double().t())
+           ) @ down.dequantize().double().t()
+    want = out.double() + torch.sigmoid(xd @ router.double().t()) * mlp
+    assert relative_error(shared(out, x, threads=2, activation_bits=16), want) < 1e-4
+    with pytest.raises(ValueError, match="one-row fp32 gate"):
+        SharedExpert(shared.gate_up, shared.down, q4.DenseWeight(torch.randn(2, HIDDEN), None))
 
 
 def test_bad_expert_ids_are_refused():

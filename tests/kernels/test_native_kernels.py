@@ -193,6 +193,17 @@ def test_rope_on_views_of_a_fused_qkv_and_silu_match_the_torch_ops():
                                atol=1e-5, rtol=1e-5)
 
 
+def test_sigmoid_gated_add_is_torchs_sum():
+    """Qwen2-MoE's shared expert added natively (the per-layer path and the decode stack share it):
+    y + sigmoid(gate) * x within fp32 rounding of torch's, saturating gates included; shapes checked."""
+    gen = torch.Generator().manual_seed(4)
+    y, x = torch.randn(5, 96, generator=gen), torch.randn(5, 96, generator=gen)
+    gate = torch.tensor([[-3.0], [0.0], [0.7], [40.0], [-120.0]])
+    torch.testing.assert_close(native.sigmoid_gated_add(y, gate, x), y + torch.sigmoid(gate) * x, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="gate"):
+        native.sigmoid_gated_add(y, gate[:4], x)
+
+
 def test_bf16_tensors_keep_the_torch_path():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     weight = torch.ones(64, dtype=torch.bfloat16)
