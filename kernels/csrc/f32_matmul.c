@@ -5,8 +5,9 @@
    torch call off the main thread pays an OpenMP hand-off of ~100 us, so the scheduler runs them on
    one thread and reads the weights at half the memory bandwidth; and no BLAS sums a row in an order
    that does not depend on how many rows came with it. Here every output is x . w summed in 16
-   lanes (lane l takes the features k = l mod 16, in order), the lanes added in order, then the
-   tail: an order fixed by K alone, whatever the tile, the thread count or the row count.
+   lanes (lane l takes the features k = l mod 16, in order), the lanes added as a fixed tree (halves,
+   quarters, eighths, the last pair), then the tail: an order fixed by K alone, whatever the tile,
+   the thread count or the row count.
 
    Speed: the output rows are split over the persistent thread pool (thread_pool.c); a register
    tile of X_ROWS activation rows x W_ROWS weight rows reads each weight vector once per X_ROWS
@@ -32,10 +33,15 @@ static inline v16 load16(const float *p) {
     return v;
 }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+/* the 16 lanes summed as a fixed tree: halves, quarters, eighths, then the last pair */
 static inline float lanes_sum(v16 v) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
+    const v8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 /* out[i][j] = x[i] . w[j] for i < xr, j < wr (constants after inlining for the full tile, so the
@@ -51,7 +57,10 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
         v16 xv[X_ROWS];
         for (int i = 0; i < xr; i++) xv[i] = load16(x[i] + k);
         for (int j = 0; j < wr; j++) {
-            const v16 wv = load16(w[j] + k);
+            v16 wv = load16(w[j] + k);
+#if defined(__AVX512F__)
+            __asm__("" : "+v"(wv)); /* in a register: folded into every FMA, the load is issued X_ROWS times */
+#endif
             for (int i = 0; i < xr; i++) acc[i][j] += xv[i] * wv;
         }
     }

@@ -107,7 +107,8 @@ def test_longrope_model_serves_its_short_factor_range(tiny_phi4_dir: Path):
     with Engine(str(tiny_phi4_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as engine:
         assert engine.context_length == TINY_LONGROPE_ORIGINAL
         assert engine.runner.model.cos_sin_cache.shape[-1] == 12  # 3/4 of the 16-dim heads rotate
-        assert engine.runner.model.decode_stack is None  # the native stack rotates whole heads only
+        stack = engine.runner.model.decode_stack  # the native stack rotates the same 12 features
+        assert stack is not None and stack.cos_sin.shape[-1] == 12
 
 
 def test_the_embedded_models_hf_directory_passes_its_own_check(smollm2_hf_dir: str) -> None:
