@@ -19,7 +19,7 @@ import torch
 
 from . import native
 from .moe_experts import MoEBlockStruct, NativeExperts, NativeWeight, SharedExpert
-from .q4 import Q4WeightStruct
+from .q4 import DenseWeight, Q4WeightStruct
 
 
 class _Layer(ctypes.Structure):
@@ -84,6 +84,8 @@ class DecodeStack:
             raise ValueError("the RoPE table must be fp32 [positions, rot], rot even and at most the head size")
         self.layers = layers
         self.max_tokens = max_tokens  # the largest step the caller should hand over (where it pays)
+        self.dense = any(isinstance(w, DenseWeight) for layer in layers  # the fp32 path's weights
+                         for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.cos_sin = cos_sin.contiguous()
         hidden = layers[0].qkv.in_features
         intermediate = max((w.down.in_features for w in layers if w.moe is None), default=0)

@@ -37,9 +37,12 @@ from .config_check import layer_windows, rope_kind, rope_parameters
 # contexts, ms, two rounds): 32 tokens 59/46 vs 69/103, 64 tokens 90/76 vs 99/109. Larger steps
 # keep the per-layer path, which also serves steps whose requests share a cached prefix.
 DECODE_STACK_MAX_TOKENS = 64
-# On dense fp32 weights the stack's matmul (a register-tiled loop) trails oneDNN's as rows grow: per
-# step, stack vs per-layer path (SmolLM2 fp32, 2-core EPYC, ms): 1 row 17.5 vs 28.5, 4: 22 vs 36,
-# 8: 33 vs 34, 16: 53 vs 41, 32: 88 vs 57. So fp32 models use the stack up to 8 tokens.
+# On dense fp32 weights without batch invariance the per-layer path multiplies with oneDNN, which
+# passes the stack's fixed-order matmul as rows grow: per step, stack vs per-layer path (SmolLM2
+# fp32, 2-core EPYC, ms): 1 row 17.5 vs 28.5, 4: 22 vs 36, 8: 33 vs 34, 16: 53 vs 41, 32: 88 vs 57.
+# So such steps use the stack up to 8 tokens. With invariance (the default) both paths run the
+# fixed-order kernel and the stack wins at every size (decode tok/s, 16 rows 330-342 vs 270-272,
+# 32 rows 416-417 vs 324-351, AMD EPYC Zen 4, 2026-12-05), so the usual limit holds.
 DENSE_DECODE_STACK_MAX_TOKENS = 8
 
 LLAMA_ARCHITECTURES = (
@@ -284,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
         backend.begin_forward(meta)
         hidden = self.embed(input_ids)
         stack = self.decode_stack
-        if (stack is not None and input_ids.shape[0] <= stack.max_tokens
+        if (stack is not None and input_ids.shape[0] <= self.decode_stack_limit()
                 and (slots := backend.native_decode_slots(meta)) is not None and stack.bind(kv_caches)):
             threads = self.head_threads or torch.get_num_threads()  # the step's thread budget
             hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads,
@@ -295,6 +298,14 @@ class LlamaForCausalLM(nn.Module):
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 hidden, residual = layer(hidden, residual, positions, self.layer_cos_sin(i), kv, backend, meta)
         return self.final_logits(hidden, residual, logits_indices)
+
+    def decode_stack_limit(self) -> int:
+        """The largest step the decode stack takes now: a dense stack yields to oneDNN's per-layer
+        linears past DENSE_DECODE_STACK_MAX_TOKENS rows unless the step is batch-invariant."""
+        stack = self.decode_stack
+        if stack.dense and not settings.current().batch_invariant:
+            return min(stack.max_tokens, DENSE_DECODE_STACK_MAX_TOKENS)
+        return stack.max_tokens
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings the first layer takes (Granite scales them)."""
@@ -343,12 +354,10 @@ class LlamaForCausalLM(nn.Module):
                                         cos_sin=cos_sin if own_table else None, window=a.mask.window,
                                         activation=getattr(layer.mlp, "activation_name", "silu"),
                                         softcap=a.mask.softcap, **mlp))
-        dense = any(isinstance(w, DenseWeight) for layer in weights for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                                         head_dim=attn.head_dim, eps=self.config.rms_norm_eps,
                                         scale=attn.scale, cos_sin=self.cos_sin_cache.float(),
-                                        max_tokens=DENSE_DECODE_STACK_MAX_TOKENS if dense else DECODE_STACK_MAX_TOKENS,
-                                        out_scale=attn.out_scale)
+                                        max_tokens=DECODE_STACK_MAX_TOKENS, out_scale=attn.out_scale)
         return True
 
     @staticmethod

@@ -251,7 +251,10 @@ def test_fp32_path_runs_its_dense_weights_in_the_stack(tiny_llama_dir, monkeypat
     prompts = ["The quick brown fox", "A radix tree stores", "Once upon a time"]
     with Engine(str(tiny_llama_dir), kv_cache_tokens=2048, quantization="none", speculative=False) as eng:
         model = eng.runner.model
-        assert eng.runner.quantization.decode_stack and model.decode_stack.max_tokens == 8
+        assert eng.runner.quantization.decode_stack and model.decode_stack.dense
+        assert model.decode_stack_limit() == 64  # batch-invariant: the same fixed-order matmul either way
+        with settings.overridden(batch_invariant=False):
+            assert model.decode_stack_limit() == 8  # else oneDNN's per-layer linears win past 8 rows
         assert model.decode_stack.layers[0].qkv.weight.data_ptr() == model.layers[0].self_attn.qkv_proj.weight.data_ptr()
         native_run = [eng.generate(p, params) for p in prompts] + eng.generate(prompts, params)
         assert calls and max(calls) == 3
