@@ -324,6 +324,48 @@ typedef struct {
 
 static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp_vec's value, lane 0 */
 
+#define PREFETCH_KEYS 8 /* keys ahead whose K and V rows are fetched while this one is read */
+
+static inline void prefetch_row(const float *p, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(p + d); /* one per 64-byte line */
+}
+
+#define DECODE_CHAINS 4 /* independent vectors per pass: one chain of D dependent FMAs was latency bound */
+
+/* s[u] = sum_d kt[d][u] * qs[d] for `c` vectors of keys from u0 on (c a constant where inlined):
+   each lane's fused multiply-adds run over d in order, as one vector at a time would. */
+static inline __attribute__((always_inline)) void decode_scores(const float *kt, const float *qs, int64_t D,
+                                                                int64_t u0, vec *s, const int c) {
+    vec acc[DECODE_CHAINS] = {{0}};
+    for (int64_t d = 0; d < D; d++) {
+        const vec *k = (const vec *)(kt + d * BLOCK_KEYS) + u0;
+        for (int i = 0; i < c; i++) acc[i] += k[i] * qs[d];
+    }
+    for (int i = 0; i < c; i++) s[u0 + i] = acc[i];
+}
+
+/* og[d0 + i * VEC ..] += sum_j v_j[..] * p[j] over the block's n keys in order, for `c` vectors of
+   features (in registers across the keys; each element's sum in key order, as before) */
+static inline __attribute__((always_inline)) void decode_values(const extend_job *a, const int64_t *slots,
+                                                                int64_t row, int64_t h, const float *p, int64_t n,
+                                                                int64_t d0, float *og, const int c) {
+    vec acc[DECODE_CHAINS];
+    for (int i = 0; i < c; i++) acc[i] = *(const vec *)(og + d0 + i * VEC);
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = a->v_cache + slots[j] * row + h * a->dim + d0;
+        for (int i = 0; i < c; i++) acc[i] += *(const vec *)(v + i * VEC) * p[j];
+    }
+    for (int i = 0; i < c; i++) *(vec *)(og + d0 + i * VEC) = acc[i];
+}
+
+#define DECODE_SWITCH(left, call)                                                                   \
+    switch (left < DECODE_CHAINS ? left : DECODE_CHAINS) {                                          \
+    case 1: call(1); break;                                                                          \
+    case 2: call(2); break;                                                                          \
+    case 3: call(3); break;                                                                          \
+    default: call(4); break;                                                                         \
+    }
+
 static void decode_task(const extend_job *a, const decode_scratch *t, int64_t b, int64_t h) {
     const int64_t G = a->group, D = a->dim, Hq = a->hkv * G, row = a->hkv * D, L = a->kv_lens[b];
     const int64_t *slots = a->kv_indices + a->kv_starts[b];
@@ -334,20 +376,27 @@ static void decode_task(const extend_job *a, const decode_scratch *t, int64_t b,
         t->sum[g] = 0.f;
     }
     memset(t->o, 0, sizeof(float) * G * D);
+    for (int64_t j = 0; j < PREFETCH_KEYS && j < L; j++)
+        prefetch_row(a->k_cache + slots[j] * row + h * D, D), prefetch_row(a->v_cache + slots[j] * row + h * D, D);
     for (int64_t j0 = 0; j0 < L; j0 += BLOCK_KEYS) {
         const int64_t n = L - j0 < BLOCK_KEYS ? L - j0 : BLOCK_KEYS, nv = (n + VEC - 1) / VEC;
         for (int64_t j = 0; j < nv * VEC; j++) { /* lanes past n repeat the last key; never used */
+            if (j0 + j + PREFETCH_KEYS < L) { /* pool rows are scattered: no hardware prefetcher sees them */
+                const int64_t ahead = slots[j0 + j + PREFETCH_KEYS] * row + h * D;
+                prefetch_row(a->k_cache + ahead, D), prefetch_row(a->v_cache + ahead, D);
+            }
             const float *k = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
             for (int64_t d = 0; d < D; d++) t->kt[d * BLOCK_KEYS + j] = k[d];
         }
         for (int64_t g = 0; g < G; g++) {
             const float *qs = t->qs + g * D;
             vec *s = (vec *)(t->s + g * BLOCK_KEYS);
-            for (int64_t u = 0; u < nv; u++) {
-                vec acc = {0};
-                for (int64_t d = 0; d < D; d++) acc += ((const vec *)(t->kt + d * BLOCK_KEYS))[u] * qs[d];
-                s[u] = a->softcap > 0 ? softcap_vec(acc, a->softcap) : acc;
+            for (int64_t u0 = 0; u0 < nv; u0 += DECODE_CHAINS) {
+#define SCORES(c) decode_scores(t->kt, qs, D, u0, s, c)
+                DECODE_SWITCH(nv - u0, SCORES)
+#undef SCORES
             }
+            for (int64_t u = 0; u < nv && a->softcap > 0; u++) s[u] = softcap_vec(s[u], a->softcap);
             float *sg = t->s + g * BLOCK_KEYS, *og = t->o + g * D;
             const float old = t->max[g];
             float m = old;
@@ -359,9 +408,10 @@ static void decode_task(const extend_job *a, const decode_scratch *t, int64_t b,
             for (int64_t j = 0; j < n; j++) sum += sg[j];
             t->sum[g] = sum;
             for (int64_t d = 0; d < D; d++) og[d] *= corr;
-            for (int64_t j = 0; j < n; j++) {
-                const float *v = a->v_cache + slots[j0 + j] * row + h * D, p = sg[j];
-                for (int64_t d = 0; d < D; d += VEC) *(vec *)(og + d) += *(const vec *)(v + d) * p;
+            for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
+#define VALUES(c) decode_values(a, slots + j0, row, h, sg, n, d0, og, c)
+                DECODE_SWITCH((D - d0) / VEC, VALUES)
+#undef VALUES
             }
         }
     }
