@@ -330,6 +330,38 @@ static inline void prefetch_row(const float *p, int64_t D) {
     for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(p + d); /* one per 64-byte line */
 }
 
+/* kt[d * BLOCK_KEYS + i] = k[i][d] for VEC keys: AVX-512 transposes 16 x 16 tiles in registers
+   (four steps, each swapping the off-diagonal s x s blocks of row pairs i, i + s), else one float at a time */
+static void transpose_keys(const float *const *k, int64_t D, float *kt) {
+#if VEC == 16
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        vec r[16];
+        for (int i = 0; i < 16; i++) memcpy(&r[i], k[i] + d0, sizeof(vec));
+#define UNWRAP(...) __VA_ARGS__
+#define SWAP_BLOCKS(s, lo, hi)                                                                      \
+        for (int i = 0; i < 16; i++)                                                                 \
+            if (!(i & s)) {                                                                          \
+                const vec a = r[i], b = r[i + s];                                                    \
+                r[i] = __builtin_shufflevector(a, b, UNWRAP lo), r[i + s] = __builtin_shufflevector(a, b, UNWRAP hi); \
+            }
+        SWAP_BLOCKS(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                    (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+        SWAP_BLOCKS(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                    (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+        SWAP_BLOCKS(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                    (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+        SWAP_BLOCKS(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                    (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#undef SWAP_BLOCKS
+#undef UNWRAP
+        for (int i = 0; i < 16; i++) *(vec *)(kt + (d0 + i) * BLOCK_KEYS) = r[i];
+    }
+#else
+    for (int i = 0; i < VEC; i++)
+        for (int64_t d = 0; d < D; d++) kt[d * BLOCK_KEYS + i] = k[i][d];
+#endif
+}
+
 #define DECODE_CHAINS 4 /* independent vectors per pass: one chain of D dependent FMAs was latency bound */
 
 /* s[u] = sum_d kt[d][u] * qs[d] for `c` vectors of keys from u0 on (c a constant where inlined):
@@ -380,13 +412,17 @@ static void decode_task(const extend_job *a, const decode_scratch *t, int64_t b,
         prefetch_row(a->k_cache + slots[j] * row + h * D, D), prefetch_row(a->v_cache + slots[j] * row + h * D, D);
     for (int64_t j0 = 0; j0 < L; j0 += BLOCK_KEYS) {
         const int64_t n = L - j0 < BLOCK_KEYS ? L - j0 : BLOCK_KEYS, nv = (n + VEC - 1) / VEC;
-        for (int64_t j = 0; j < nv * VEC; j++) { /* lanes past n repeat the last key; never used */
-            if (j0 + j + PREFETCH_KEYS < L) { /* pool rows are scattered: no hardware prefetcher sees them */
-                const int64_t ahead = slots[j0 + j + PREFETCH_KEYS] * row + h * D;
-                prefetch_row(a->k_cache + ahead, D), prefetch_row(a->v_cache + ahead, D);
+        for (int64_t u = 0; u < nv; u++) { /* lanes past n repeat the last key; never used */
+            const float *k[VEC];
+            for (int64_t i = 0; i < VEC; i++) {
+                const int64_t j = u * VEC + i;
+                if (j0 + j + PREFETCH_KEYS < L) { /* pool rows are scattered: no hardware prefetcher sees them */
+                    const int64_t ahead = slots[j0 + j + PREFETCH_KEYS] * row + h * D;
+                    prefetch_row(a->k_cache + ahead, D), prefetch_row(a->v_cache + ahead, D);
+                }
+                k[i] = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
             }
-            const float *k = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
-            for (int64_t d = 0; d < D; d++) t->kt[d * BLOCK_KEYS + j] = k[d];
+            transpose_keys(k, D, t->kt + u * VEC);
         }
         for (int64_t g = 0; g < G; g++) {
             const float *qs = t->qs + g * D;
