@@ -119,8 +119,7 @@ class DecodeStack:
             s.attn_out_norm = None if w.attn_out_norm is None else w.attn_out_norm.data_ptr()
             s.mlp_out_norm = None if w.mlp_out_norm is None else w.mlp_out_norm.data_ptr()
             s.activation = ACTIVATIONS[w.activation]
-            if w.softcap is not None and not (w.softcap > 0 and native.extend_attention_dim_ok(head_dim)):
-                raise ValueError("soft-capped attention needs a cap > 0 and a head size that is a multiple of 16")
+            native.check_softcap(w.softcap, head_dim)
             s.softcap = w.softcap or 0.0
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 

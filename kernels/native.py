@@ -224,7 +224,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `softcap` (Gemma 2): scores capped as softcap * tanh(s / softcap); the invariant kernel runs it."""
     hq, hkv = _check_attention(q, k_cache, v_cache)
     batch, _, dim = q.shape
-    _check_softcap(softcap, dim)
+    check_softcap(softcap, dim)
     kv_indices = checked_indices("kv_indices", kv_indices)
     starts, lens = checked_indices("starts", starts, batch), checked_indices("lens", lens, batch)
     check_ranges("starts/lens", starts, lens, kv_indices.numel())
@@ -243,7 +243,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out, lse
 
 
-def _check_softcap(softcap: float | None, dim: int) -> None:
+def check_softcap(softcap: float | None, dim: int) -> None:
+    """A soft-capped score needs a cap > 0 and the extend kernel's head sizes (multiples of 16)."""
     if softcap is not None and not (softcap > 0 and extend_attention_dim_ok(dim)):
         raise ValueError(f"soft-capped attention needs a cap > 0 and a head size that is a multiple of 16, "
                          f"got softcap={softcap!r}, head size {dim}")
@@ -269,7 +270,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"a sliding window needs causal attention and window >= 1, got window={window!r}")
     hq, hkv = _check_attention(q, k_cache, v_cache)
     tokens, _, dim = q.shape
-    _check_softcap(softcap, dim)
+    check_softcap(softcap, dim)
     batch = q_starts.numel()
     kv_indices = checked_indices("kv_indices", kv_indices)
     q_starts, q_lens, kv_starts, kv_lens = (checked_indices(name, t, batch) for name, t in (
@@ -350,7 +351,7 @@ def sigmoid_gated_add(y: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> t
         check_float32(name, t, 2)
     if x.shape != y.shape or gate.shape != (y.shape[0], 1):
         raise ValueError(f"y, x [T, d] and gate [T, 1]; got {tuple(y.shape)}, {tuple(x.shape)}, {tuple(gate.shape)}")
-    out, gate, x = y.contiguous().clone(), gate.contiguous(), x.contiguous()
+    out, gate, x = y.clone(memory_format=torch.contiguous_format), gate.contiguous(), x.contiguous()
     library().rb_sigmoid_gated_add(out.data_ptr(), gate.data_ptr(), x.data_ptr(), out.shape[0], out.shape[1])
     return out
 

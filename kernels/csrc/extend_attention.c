@@ -377,7 +377,7 @@ static inline __attribute__((always_inline)) void decode_scores(const float *kt,
 }
 
 /* og[d0 + i * VEC ..] += sum_j v_j[..] * p[j] over the block's n keys in order, for `c` vectors of
-   features (in registers across the keys; each element's sum in key order, as before) */
+   features (in registers across the keys; each element summed in key order) */
 static inline __attribute__((always_inline)) void decode_values(const extend_job *a, const int64_t *slots,
                                                                 int64_t row, int64_t h, const float *p, int64_t n,
                                                                 int64_t d0, float *og, const int c) {
@@ -391,7 +391,7 @@ static inline __attribute__((always_inline)) void decode_values(const extend_job
 }
 
 #define DECODE_SWITCH(left, call)                                                                   \
-    switch (left < DECODE_CHAINS ? left : DECODE_CHAINS) {                                          \
+    switch ((left) < DECODE_CHAINS ? (left) : DECODE_CHAINS) {                                      \
     case 1: call(1); break;                                                                          \
     case 2: call(2); break;                                                                          \
     case 3: call(3); break;                                                                          \
