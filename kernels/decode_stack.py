@@ -137,17 +137,22 @@ class DecodeStack:
 
     def run(self, embeddings: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
             kv_indices: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-            threads: int = 1, activation_bits: int = 16, invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            sharing: native.KeySharing | None = None, threads: int = 1, activation_bits: int = 16,
+            invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per request (token t of request t): (last MLP output, residual stream), both
         [T, hidden], whose sum the model's final norm takes; the linears use `threads` threads and
         take their inputs as `activation_bits` integers (see `q4_matmul`); `invariant`: attention gives
-        each row the extend kernel's bits (`native.decode_attention`). `bind` must have succeeded."""
+        each row the extend kernel's bits (`native.decode_attention`), reading the keys of `sharing`'s
+        chunks once per chunk. `bind` must have succeeded."""
         native.check_activation_bits(activation_bits)
         residual = embeddings.float().contiguous().clone()
         hidden = torch.empty_like(residual)
         args = [t.to(torch.int64).contiguous() for t in (positions, out_slots, kv_indices, starts, lens)]
+        if sharing is not None:
+            sharing.check(args[-1])
         rc = native.library().rb_decode_stack(self._structs, len(self.layers), ctypes.byref(self._dims),
                                               residual.shape[0], *(a.data_ptr() for a in args),
+                                              ctypes.byref(sharing.struct) if sharing is not None else None,
                                               residual.data_ptr(), hidden.data_ptr(), threads, activation_bits,
                                               int(invariant))
         if rc:

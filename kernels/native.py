@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import settings
+from . import shared_prefix as sp
 from .user_cache import CACHE_ENV, cache_dir
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rb_decode_attention": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
-    "rb_decode_attention_invariant": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _F, _P, _P, _I], ctypes.c_int),
+    "rb_decode_attention_invariant": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I], ctypes.c_int),
     "rb_extend_attention": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _P, _P, _I],
                             ctypes.c_int),
     "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _F, _P,
@@ -63,7 +64,7 @@ _SIGNATURES = {
     "rb_q8_tiled_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
     "rb_moe_route": ([_P, _I, _I, _I, _I, _P, _P], None),
     "rb_moe_experts": ([_P, _P, _I, _P, _I, _P, _P, _I, _P, _I, _I], ctypes.c_int),
-    "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
+    "rb_decode_stack": ([_P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I], ctypes.c_int),
 }
 
 
@@ -211,17 +212,75 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return hq, hkv
 
 
+# ---- decode rows that begin with the same keys ---------------------------------------------------
+SHARED_BLOCK_KEYS = 64  # the invariant kernels' softmax block (BLOCK_KEYS): only whole blocks are read together
+# Requests per chunk that reads a shared prefix once: a few chunks per kv head keep both threads busy
+# (32 requests x 3 kv heads on 2 threads: 12 tasks), and each reloads the prefix only once.
+MAX_SHARING_MEMBERS = 8
+
+
+class _KeySharingStruct(ctypes.Structure):
+    _fields_ = [("order", _P), ("bounds", _P), ("shared", _P), ("chunks", _I)]
+
+
+class KeySharing:
+    """Decode rows in chunks whose requests begin with the same pool slots (`rb_key_sharing`): the
+    invariant decode kernel loads and transposes those keys once per chunk instead of once per
+    request. Built from the step's own slot table by `KeySharing.find`; changes no bit of any row."""
+
+    def __init__(self, chunks: list[tuple[list[int], int]]) -> None:
+        self.order = torch.tensor([b for members, _ in chunks for b in members], dtype=torch.int64)
+        self.bounds = torch.tensor([0] + [len(members) for members, _ in chunks], dtype=torch.int64).cumsum(0)
+        self.shared = torch.tensor([shared for _, shared in chunks], dtype=torch.int64)
+        self.struct = _KeySharingStruct(self.order.data_ptr(), self.bounds.data_ptr(), self.shared.data_ptr(),
+                                        len(chunks))
+        self._checked: torch.Tensor | None = None  # the lens last checked (every layer of a step passes the same)
+
+    @classmethod
+    def find(cls, kv_indices: torch.Tensor, starts: list[int], lens: list[int],
+             max_members: int = MAX_SHARING_MEMBERS) -> KeySharing | None:
+        """Chunks of the requests whose keys kv_indices[starts[b]:][:lens[b]] begin with at least
+        one whole block of the same slots (requests continuing one radix node), every other request
+        alone; None when no two requests share a block."""
+        groups, _ = sp.find_shared_prefixes(kv_indices, starts, [n - 1 for n in lens], SHARED_BLOCK_KEYS)
+        grouped: set[int] = set()
+        chunks: list[tuple[list[int], int]] = []
+        for group in groups:
+            members = group.members.tolist()
+            shared = group.length // SHARED_BLOCK_KEYS * SHARED_BLOCK_KEYS
+            grouped.update(members)
+            chunks += [(members[i:i + max_members], shared) for i in range(0, len(members), max_members)]
+        if not chunks:
+            return None
+        return cls(chunks + [([b], 0) for b in range(len(lens)) if b not in grouped])
+
+    def check(self, lens: torch.Tensor) -> None:
+        """The C code trusts the chunks: every row exactly once, each shared prefix inside every member's keys."""
+        if lens is self._checked:
+            return
+        batch = lens.numel()
+        if self.order.numel() != batch or not torch.equal(self.order.sort().values, torch.arange(batch)):
+            raise ValueError(f"key sharing does not cover the batch's {batch} rows exactly once")
+        counts = self.bounds.diff()
+        if bool((counts < 1).any()) or bool((self.shared < 0).any()):
+            raise ValueError("key sharing has an empty chunk or a negative shared length")
+        if bool((self.shared.repeat_interleave(counts) >= lens[self.order]).any()):
+            raise ValueError("a shared prefix is not shorter than every member's keys")
+        self._checked = lens
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      starts: torch.Tensor, lens: torch.Tensor, scale: float, with_lse: bool = False,
-                     threads: int = 1, invariant: bool = False,
-                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     threads: int = 1, invariant: bool = False, softcap: float | None = None,
+                     sharing: KeySharing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query row per request over its keys at `kv_indices[starts[b] : starts[b] + lens[b]]`,
     read from the pool in place. q [B, Hq, D]; caches [slots, Hkv, D]; returns (out [B, Hq, D],
     lse [B, Hq] or None). A request with lens[b] < 1 (padding) reads nothing and gets an undefined
     row; every slot must lie inside the pool. `invariant` (head sizes that are multiples of 16):
     each row gets exactly the bits `extend_attention` gives that row, whatever the batch (about
     1.5x the time of the default kernel, which splits long requests' keys over the threads).
-    `softcap` (Gemma 2): scores capped as softcap * tanh(s / softcap); the invariant kernel runs it."""
+    `softcap` (Gemma 2): scores capped as softcap * tanh(s / softcap); the invariant kernel runs it.
+    `sharing` (invariant kernel): chunks of requests that begin with the same slots, read once."""
     hq, hkv = _check_attention(q, k_cache, v_cache)
     batch, _, dim = q.shape
     check_softcap(softcap, dim)
@@ -235,7 +294,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), starts.data_ptr(),
             lens.data_ptr(), batch, hkv, hq // hkv, dim, scale)
     if (invariant or softcap) and extend_attention_dim_ok(dim):
-        rc = library().rb_decode_attention_invariant(*args, softcap or 0.0, out.data_ptr(), _ptr(lse), threads)
+        if sharing is not None:
+            sharing.check(lens)
+        shared = ctypes.byref(sharing.struct) if sharing is not None else None
+        rc = library().rb_decode_attention_invariant(*args, softcap or 0.0, shared, out.data_ptr(), _ptr(lse),
+                                                     threads)
     else:
         rc = library().rb_decode_attention(*args, out.data_ptr(), _ptr(lse), threads)
     if rc != 0:

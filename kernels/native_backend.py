@@ -2,7 +2,9 @@
 
 On the CPU with fp32 K/V the native kernels (`native.py`) replace the torch path's gathers and
 products: decode steps attend each request's remainder with them (a prefix several requests share
-is still attended once, by the extend kernel, and merged), and extends attend every request's
+is still attended once, by the extend kernel, and merged; with batch invariance on, where a merge
+would change bits, the invariant kernel reads such a prefix once per chunk of its requests,
+`native.KeySharing`, with every row's bits unchanged), and extends attend every request's
 whole context in one call (no shared-prefix pass: the kernel loads each block of keys once for a
 tile of query rows, so a shared prefix costs the same arithmetic as the torch path's shared
 product, without its gathers). A batch the kernels cannot take (a bf16 pool, a head size they do
@@ -39,6 +41,7 @@ class NativePlan(Plan):
     starts: torch.Tensor | None = None
     lens: torch.Tensor | None = None
     threads: int = 1
+    sharing: native.KeySharing | None = None  # invariant decode: requests that begin with the same keys
 
 
 class NativeCPUAttentionBackend(TorchAttentionBackend):
@@ -49,11 +52,12 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
         self._windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `_window_slots` of one forward
         self._windows_meta: AttentionMetadata | None = None
 
-    def native_decode_slots(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def native_decode_slots(
+            self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, native.KeySharing | None] | None:
         plan = self._plan
         if self._plan_meta is not meta or not isinstance(plan, NativePlan) or plan.extend or plan.groups:
             return None
-        return plan.starts, plan.lens
+        return plan.starts, plan.lens, plan.sharing
 
     # ---- planning ---------------------------------------------------------------------------
     def _build_plan(self, meta: AttentionMetadata) -> Plan:
@@ -64,8 +68,11 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
         layout = self._shared_layout(meta)
         starts = [layout.kv_ptr[i] + layout.shared[i] for i in range(len(layout.rest_lens))]
         threads = torch.get_num_threads() if sum(layout.rest_lens) >= NATIVE_THREADED_KEYS else 1
+        sharing = None
+        if self.share_prefixes and not layout.groups and len(starts) > 1 and settings.current().batch_invariant:
+            sharing = native.KeySharing.find(meta.kv_indices, starts, layout.rest_lens)
         return NativePlan(layout.groups, layout.group_rows, starts=torch.tensor(starts, dtype=torch.int64),
-                          lens=torch.tensor(layout.rest_lens, dtype=torch.int64), threads=threads)
+                          lens=torch.tensor(layout.rest_lens, dtype=torch.int64), threads=threads, sharing=sharing)
 
     @staticmethod
     def _reads_slot_table(meta: AttentionMetadata) -> bool:
@@ -96,7 +103,7 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
             return out
         out, lse = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, plan.starts, plan.lens, scale,
                                            with_lse=bool(plan.groups), threads=plan.threads,
-                                           invariant=settings.current().batch_invariant)
+                                           invariant=settings.current().batch_invariant, sharing=plan.sharing)
         if not plan.groups:
             return out
         tokens, hq, dim = q.shape

@@ -7,10 +7,17 @@ int rb_decode_attention(const float *q, const float *k_cache, const float *v_cac
                         const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
                         int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale,
                         float *out, float *lse, int64_t threads);
+/* Decode rows whose requests begin with the same pool slots, in chunks that read those keys once:
+   chunk c's members are requests order[bounds[c] : bounds[c + 1]], all of whose first shared[c]
+   keys are the same slots (rb_decode_attention_invariant). */
+typedef struct {
+    const int64_t *order, *bounds, *shared;
+    int64_t chunks;
+} rb_key_sharing;
 int rb_decode_attention_invariant(const float *q, const float *k_cache, const float *v_cache,
                               const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
                               int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float softcap,
-                              float *out, float *lse, int64_t threads);
+                              const rb_key_sharing *sharing, float *out, float *lse, int64_t threads);
 int rb_extend_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts,
                         const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,

@@ -65,7 +65,8 @@ static void scale_rows(float *x, int64_t n, float s) {
    before the last layer's MLP output, which goes to `hidden` [T, hidden] (the model's final norm
    adds the two). The linears split their rows, and attention its requests (or a long request's
    keys), over `threads` threads; the linears' activations are `activation_bits` (8 or 16) integers;
-   `invariant`: attention gives each row the extend kernel's bits (extend_attention.c).
+   `invariant`: attention gives each row the extend kernel's bits (extend_attention.c), reading keys
+   that several requests begin with once per chunk of `sharing` (NULL: none; unwindowed layers).
    Layers may norm q and k per head (Qwen3, Gemma 3), route their MLP over experts (`moe`,
    moe.c), see a sliding window of keys, take their own RoPE table, norm their attention and MLP
    outputs (Gemma's sandwich norms), rotate part of each head (Phi-4-mini), scale both outputs
@@ -74,8 +75,8 @@ static void scale_rows(float *x, int64_t n, float s) {
    Returns 0, -1 if memory ran out, -2 for other activation bits. */
 int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_decoder_dims *d, int64_t T,
                     const int64_t *positions, const int64_t *out_slots, const int64_t *kv_indices,
-                    const int64_t *starts, const int64_t *lens, float *residual, float *hidden, int64_t threads,
-                    int64_t activation_bits, int64_t invariant) {
+                    const int64_t *starts, const int64_t *lens, const rb_key_sharing *sharing, float *residual,
+                    float *hidden, int64_t threads, int64_t activation_bits, int64_t invariant) {
     const int64_t H = d->hidden, D = d->head_dim, q_size = d->heads * D, kv_size = d->kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = d->intermediate;
     if (activation_bits != 8 && activation_bits != 16) return -2;
@@ -123,18 +124,19 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             memcpy(L->v_cache + out_slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
         }
         const int64_t *layer_starts = starts, *layer_lens = lens;
+        const rb_key_sharing *layer_sharing = sharing;
         if (L->window > 0) { /* each token's last `window` keys */
             int64_t *ws = picks + T * top_k * 2, *wl = ws + T;
             for (int64_t t = 0; t < T; t++) {
                 wl[t] = lens[t] < L->window ? lens[t] : L->window;
                 ws[t] = starts[t] + lens[t] - wl[t];
             }
-            layer_starts = ws, layer_lens = wl;
+            layer_starts = ws, layer_lens = wl, layer_sharing = NULL;
         }
         if ((invariant || L->softcap > 0) && D % 16 == 0) /* soft-capped scores: this kernel only */
             rc = rb_decode_attention_invariant(q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T,
-                                               d->kv_heads, d->heads / d->kv_heads, D, d->scale, L->softcap, attn, NULL,
-                                               threads);
+                                               d->kv_heads, d->heads / d->kv_heads, D, d->scale, L->softcap, layer_sharing,
+                                               attn, NULL, threads);
         else
             rc = rb_decode_attention(q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T, d->kv_heads,
                                      d->heads / d->kv_heads, D, d->scale, attn, NULL, threads);

@@ -315,12 +315,18 @@ int rb_extend_attention_window(const float *q, const float *k_cache, const float
    64-key blocks, running max, rescale factor and sequential sum, and the values are accumulated
    per feature in key order, as `values_chunk` does per row. */
 typedef struct {
-    float *qs;    /* [G][D]: scaled queries */
+    float *qs;    /* [M][G][D]: scaled queries of a chunk's M requests */
     float *kt;    /* [D][BLOCK_KEYS]: the block's keys, transposed */
     float *s;     /* [G][BLOCK_KEYS]: scores, then probabilities */
-    float *o;     /* [G][D]: output accumulators */
-    float *max, *sum; /* [G] */
+    float *o;     /* [M][G][D]: output accumulators */
+    float *max, *sum; /* [M][G] */
 } decode_scratch;
+
+/* x, as a value the compiler cannot see through (no call specialised on it) */
+static inline int64_t opaque(int64_t x) {
+    __asm__("" : "+r"(x));
+    return x;
+}
 
 static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp_vec's value, lane 0 */
 
@@ -363,112 +369,216 @@ static void transpose_keys(const float *const *k, int64_t D, float *kt) {
 }
 
 #define DECODE_CHAINS 4 /* independent vectors per pass: one chain of D dependent FMAs was latency bound */
+#if VEC == 16
+#define DECODE_HEADS 4 /* query heads that use each loaded key or value vector: 16 accumulators of 32 registers */
+#else
+#define DECODE_HEADS 2 /* 8 accumulators + 4 loaded vectors of 16 registers */
+#endif
 
-/* s[u] = sum_d kt[d][u] * qs[d] for `c` vectors of keys from u0 on (c a constant where inlined):
-   each lane's fused multiply-adds run over d in order, as one vector at a time would. */
+/* s[g][u] = sum_d kt[d][u] * qs[g][d] for `heads` query heads and `c` vectors of keys from u0 on
+   (both constants where inlined): each lane's fused multiply-adds run over d in order, as one
+   vector of one head at a time would, so the bits do not depend on the blocking. */
 static inline __attribute__((always_inline)) void decode_scores(const float *kt, const float *qs, int64_t D,
-                                                                int64_t u0, vec *s, const int c) {
-    vec acc[DECODE_CHAINS] = {{0}};
+                                                                int64_t u0, float *s, const int c, const int heads) {
+    vec acc[DECODE_HEADS][DECODE_CHAINS] = {{{0}}};
     for (int64_t d = 0; d < D; d++) {
         const vec *k = (const vec *)(kt + d * BLOCK_KEYS) + u0;
-        for (int i = 0; i < c; i++) acc[i] += k[i] * qs[d];
+        vec kv[DECODE_CHAINS];
+        for (int i = 0; i < c; i++) kv[i] = k[i];
+        for (int g = 0; g < heads; g++) {
+            const float x = qs[g * D + d];
+            for (int i = 0; i < c; i++) acc[g][i] += kv[i] * x;
+        }
     }
-    for (int i = 0; i < c; i++) s[u0 + i] = acc[i];
+    for (int g = 0; g < heads; g++)
+        for (int i = 0; i < c; i++) ((vec *)(s + g * BLOCK_KEYS))[u0 + i] = acc[g][i];
 }
 
-/* og[d0 + i * VEC ..] += sum_j v_j[..] * p[j] over the block's n keys in order, for `c` vectors of
-   features (in registers across the keys; each element summed in key order) */
+/* o[g][d0 + i * VEC ..] += sum_j v_j[..] * p[g][j] over the block's n keys in order, for `heads`
+   query heads and `c` vectors of features (in registers across the keys; each element summed in
+   key order) */
 static inline __attribute__((always_inline)) void decode_values(const extend_job *a, const int64_t *slots,
                                                                 int64_t row, int64_t h, const float *p, int64_t n,
-                                                                int64_t d0, float *og, const int c) {
-    vec acc[DECODE_CHAINS];
-    for (int i = 0; i < c; i++) acc[i] = *(const vec *)(og + d0 + i * VEC);
+                                                                int64_t d0, float *o, const int c, const int heads) {
+    const int64_t D = a->dim;
+    vec acc[DECODE_HEADS][DECODE_CHAINS];
+    for (int g = 0; g < heads; g++)
+        for (int i = 0; i < c; i++) acc[g][i] = *(const vec *)(o + g * D + d0 + i * VEC);
     for (int64_t j = 0; j < n; j++) {
-        const float *v = a->v_cache + slots[j] * row + h * a->dim + d0;
-        for (int i = 0; i < c; i++) acc[i] += *(const vec *)(v + i * VEC) * p[j];
+        const float *v = a->v_cache + slots[j] * row + h * D + d0;
+        vec vv[DECODE_CHAINS];
+        for (int i = 0; i < c; i++) vv[i] = *(const vec *)(v + i * VEC);
+        for (int g = 0; g < heads; g++) {
+            const float x = p[g * BLOCK_KEYS + j];
+            for (int i = 0; i < c; i++) acc[g][i] += vv[i] * x;
+        }
     }
-    for (int i = 0; i < c; i++) *(vec *)(og + d0 + i * VEC) = acc[i];
+    for (int g = 0; g < heads; g++)
+        for (int i = 0; i < c; i++) *(vec *)(o + g * D + d0 + i * VEC) = acc[g][i];
 }
 
-#define DECODE_SWITCH(left, call)                                                                   \
+/* call(c, heads) with c = min(left, DECODE_CHAINS) and heads = min(heads_left, DECODE_HEADS) as constants */
+#if DECODE_HEADS == 4
+#define HEADS_SWITCH(left, call, c)                                                                 \
+    switch ((left) < 4 ? (left) : 4) {                                                               \
+    case 1: call(c, 1); break;                                                                       \
+    case 2: call(c, 2); break;                                                                       \
+    case 3: call(c, 3); break;                                                                       \
+    default: call(c, 4); break;                                                                      \
+    }
+#else
+#define HEADS_SWITCH(left, call, c)                                                                 \
+    switch ((left) < 2 ? (left) : 2) {                                                               \
+    case 1: call(c, 1); break;                                                                       \
+    default: call(c, 2); break;                                                                      \
+    }
+#endif
+#define DECODE_SWITCH(left, heads_left, call)                                                       \
     switch ((left) < DECODE_CHAINS ? (left) : DECODE_CHAINS) {                                      \
-    case 1: call(1); break;                                                                          \
-    case 2: call(2); break;                                                                          \
-    case 3: call(3); break;                                                                          \
-    default: call(4); break;                                                                         \
+    case 1: HEADS_SWITCH(heads_left, call, 1) break;                                                 \
+    case 2: HEADS_SWITCH(heads_left, call, 2) break;                                                 \
+    case 3: HEADS_SWITCH(heads_left, call, 3) break;                                                 \
+    default: HEADS_SWITCH(heads_left, call, 4) break;                                                \
     }
 
-static void decode_task(const extend_job *a, const decode_scratch *t, int64_t b, int64_t h) {
-    const int64_t G = a->group, D = a->dim, Hq = a->hkv * G, row = a->hkv * D, L = a->kv_lens[b];
-    const int64_t *slots = a->kv_indices + a->kv_starts[b];
+/* Member m of a chunk (request b) starts: its scaled queries, an empty softmax state */
+static void member_begin(const extend_job *a, const decode_scratch *t, int64_t m, int64_t b, int64_t h) {
+    const int64_t G = a->group, D = a->dim, Hq = a->hkv * G;
     for (int64_t g = 0; g < G; g++) {
         const float *src = a->q + (b * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; d++) t->qs[g * D + d] = src[d] * a->scale;
-        t->max[g] = -INFINITY;
-        t->sum[g] = 0.f;
+        for (int64_t d = 0; d < D; d++) t->qs[(m * G + g) * D + d] = src[d] * a->scale;
+        t->max[m * G + g] = -INFINITY;
+        t->sum[m * G + g] = 0.f;
     }
-    memset(t->o, 0, sizeof(float) * G * D);
-    for (int64_t j = 0; j < PREFETCH_KEYS && j < L; j++)
-        prefetch_row(a->k_cache + slots[j] * row + h * D, D), prefetch_row(a->v_cache + slots[j] * row + h * D, D);
-    for (int64_t j0 = 0; j0 < L; j0 += BLOCK_KEYS) {
-        const int64_t n = L - j0 < BLOCK_KEYS ? L - j0 : BLOCK_KEYS, nv = (n + VEC - 1) / VEC;
-        for (int64_t u = 0; u < nv; u++) { /* lanes past n repeat the last key; never used */
-            const float *k[VEC];
-            for (int64_t i = 0; i < VEC; i++) {
-                const int64_t j = u * VEC + i;
-                if (j0 + j + PREFETCH_KEYS < L) { /* pool rows are scattered: no hardware prefetcher sees them */
-                    const int64_t ahead = slots[j0 + j + PREFETCH_KEYS] * row + h * D;
-                    prefetch_row(a->k_cache + ahead, D), prefetch_row(a->v_cache + ahead, D);
-                }
-                k[i] = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
+    memset(t->o + m * G * D, 0, sizeof(float) * G * D);
+}
+
+/* K and V rows of keys [j, j + PREFETCH_KEYS) of `slots` below L, fetched ahead */
+static void prefetch_keys(const extend_job *a, const int64_t *slots, int64_t j, int64_t L, int64_t h) {
+    const int64_t row = a->hkv * a->dim;
+    for (int64_t i = j; i < j + PREFETCH_KEYS && i < L; i++)
+        prefetch_row(a->k_cache + slots[i] * row + h * a->dim, a->dim), prefetch_row(a->v_cache + slots[i] * row + h * a->dim, a->dim);
+}
+
+/* t->kt = the n keys of block j0 of `slots` (L keys in all), transposed; lanes past n repeat the
+   last key and are never used */
+static void load_block(const extend_job *a, const decode_scratch *t, const int64_t *slots, int64_t L, int64_t h,
+                       int64_t j0, int64_t n) {
+    const int64_t D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC;
+    for (int64_t u = 0; u < nv; u++) {
+        const float *k[VEC];
+        for (int64_t i = 0; i < VEC; i++) {
+            const int64_t j = u * VEC + i;
+            if (j0 + j + PREFETCH_KEYS < L) { /* pool rows are scattered: no hardware prefetcher sees them */
+                const int64_t ahead = slots[j0 + j + PREFETCH_KEYS] * row + h * D;
+                prefetch_row(a->k_cache + ahead, D), prefetch_row(a->v_cache + ahead, D);
             }
-            transpose_keys(k, D, t->kt + u * VEC);
+            k[i] = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
         }
-        for (int64_t g = 0; g < G; g++) {
-            const float *qs = t->qs + g * D;
-            vec *s = (vec *)(t->s + g * BLOCK_KEYS);
-            for (int64_t u0 = 0; u0 < nv; u0 += DECODE_CHAINS) {
-#define SCORES(c) decode_scores(t->kt, qs, D, u0, s, c)
-                DECODE_SWITCH(nv - u0, SCORES)
-#undef SCORES
-            }
-            for (int64_t u = 0; u < nv && a->softcap > 0; u++) s[u] = softcap_vec(s[u], a->softcap);
-            float *sg = t->s + g * BLOCK_KEYS, *og = t->o + g * D;
-            const float old = t->max[g];
-            float m = old;
-            for (int64_t j = 0; j < n; j++) m = sg[j] > m ? sg[j] : m;
-            const float corr = old == -INFINITY ? 0.f : exp_one(old - m);
-            t->max[g] = m;
-            float sum = t->sum[g] * corr;
-            for (int64_t u = 0; u < nv; u++) s[u] = exp_vec(s[u] - m);
-            for (int64_t j = 0; j < n; j++) sum += sg[j];
-            t->sum[g] = sum;
-            for (int64_t d = 0; d < D; d++) og[d] *= corr;
-            for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
-#define VALUES(c) decode_values(a, slots + j0, row, h, sg, n, d0, og, c)
-                DECODE_SWITCH((D - d0) / VEC, VALUES)
-#undef VALUES
-            }
-        }
-    }
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t head = h * G + g;
-        const float inv = 1.f / t->sum[g];
-        float *dst = a->out + (b * Hq + head) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = t->o[g * D + d] * inv;
-        if (a->lse) a->lse[b * Hq + head] = t->max[g] + logf(t->sum[g]);
+        transpose_keys(k, D, t->kt + u * VEC);
     }
 }
+
+/* Member m's G query heads over the loaded block j0 (n keys; its values read through `slots`). One
+   compiled body for every caller, never given a constant n (`opaque`): a copy specialised for n ==
+   BLOCK_KEYS fused other multiplies and adds (the rescaled sum) and changed bits. */
+static __attribute__((noinline)) void member_block(const extend_job *a, const decode_scratch *t, int64_t m,
+                                                  const int64_t *slots, int64_t h, int64_t j0, int64_t n) {
+    const int64_t G = a->group, D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC;
+    const float *qs = t->qs + m * G * D;
+    float *o = t->o + m * G * D;
+    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
+        for (int64_t u0 = 0; u0 < nv; u0 += DECODE_CHAINS) {
+#define SCORES(c, heads) decode_scores(t->kt, qs + g0 * D, D, u0, t->s + g0 * BLOCK_KEYS, c, heads);
+            DECODE_SWITCH(nv - u0, G - g0, SCORES)
+#undef SCORES
+        }
+    for (int64_t g = 0; g < G; g++) { /* the online softmax, one head at a time */
+        const int64_t mg = m * G + g;
+        vec *s = (vec *)(t->s + g * BLOCK_KEYS);
+        for (int64_t u = 0; u < nv && a->softcap > 0; u++) s[u] = softcap_vec(s[u], a->softcap);
+        float *sg = t->s + g * BLOCK_KEYS, *og = o + g * D;
+        const float old = t->max[mg];
+        float mx = old;
+        for (int64_t j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
+        const float corr = old == -INFINITY ? 0.f : exp_one(old - mx);
+        t->max[mg] = mx;
+        float sum = t->sum[mg] * corr;
+        for (int64_t u = 0; u < nv; u++) s[u] = exp_vec(s[u] - mx);
+        for (int64_t j = 0; j < n; j++) sum += sg[j];
+        t->sum[mg] = sum;
+        for (int64_t d = 0; d < D; d++) og[d] *= corr;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
+        for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
+#define VALUES(c, heads) decode_values(a, slots + j0, row, h, t->s + g0 * BLOCK_KEYS, n, d0, o + g0 * D, c, heads);
+            DECODE_SWITCH((D - d0) / VEC, G - g0, VALUES)
+#undef VALUES
+        }
+}
+
+static void member_end(const extend_job *a, const decode_scratch *t, int64_t m, int64_t b, int64_t h) {
+    const int64_t G = a->group, D = a->dim, Hq = a->hkv * G;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t head = h * G + g, mg = m * G + g;
+        const float inv = 1.f / t->sum[mg];
+        float *dst = a->out + (b * Hq + head) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = t->o[mg * D + d] * inv;
+        if (a->lse) a->lse[b * Hq + head] = t->max[mg] + logf(t->sum[mg]);
+    }
+}
+
+/* Kv head h of a chunk of `count` requests whose first `shared` keys are the same slots: the whole
+   blocks among those are loaded and transposed once for all members, then each member goes on
+   over its own blocks. Every member's arithmetic is what it would do alone (the same block grid,
+   the same sums in the same order), so sharing changes no bit. */
+static void decode_chunk(const extend_job *a, const decode_scratch *t, const int64_t *members, int64_t count,
+                         int64_t shared, int64_t h) {
+    const int64_t *first = a->kv_indices + a->kv_starts[members[0]];
+    const int64_t together = shared / BLOCK_KEYS * BLOCK_KEYS;
+    for (int64_t m = 0; m < count; m++) member_begin(a, t, m, members[m], h);
+    prefetch_keys(a, first, 0, a->kv_lens[members[0]], h);
+    for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) {
+        const int64_t n = opaque(BLOCK_KEYS);
+        load_block(a, t, first, together, h, j0, n);
+        for (int64_t m = 0; m < count; m++) member_block(a, t, m, first, h, j0, n);
+    }
+    for (int64_t m = 0; m < count; m++) {
+        const int64_t b = members[m], L = a->kv_lens[b];
+        const int64_t *slots = a->kv_indices + a->kv_starts[b];
+        if (together) prefetch_keys(a, slots, together, L, h);
+        for (int64_t j0 = together; j0 < L; j0 += BLOCK_KEYS) {
+            const int64_t n = L - j0 < BLOCK_KEYS ? L - j0 : BLOCK_KEYS;
+            load_block(a, t, slots, L, h, j0, n);
+            member_block(a, t, m, slots, h, j0, n);
+        }
+        member_end(a, t, m, b, h);
+    }
+}
+
+typedef struct {
+    extend_job *job;
+    const rb_key_sharing *sharing; /* NULL: every request its own chunk */
+    int64_t widest;                /* members of the largest chunk */
+} decode_job;
 
 static void decode_part(void *ctx, int64_t part, int64_t parts) {
     (void)part, (void)parts;
-    extend_job *a = (extend_job *)ctx;
-    const int64_t G = a->group, D = a->dim;
-    decode_scratch t = {aligned_floats(G * D), aligned_floats(D * BLOCK_KEYS), aligned_floats(G * BLOCK_KEYS),
-                        aligned_floats(G * D), aligned_floats(G), aligned_floats(G)};
+    decode_job *dj = (decode_job *)ctx;
+    extend_job *a = dj->job;
+    const rb_key_sharing *sh = dj->sharing;
+    const int64_t G = a->group, D = a->dim, M = dj->widest;
+    decode_scratch t = {aligned_floats(M * G * D), aligned_floats(D * BLOCK_KEYS), aligned_floats(G * BLOCK_KEYS),
+                        aligned_floats(M * G * D), aligned_floats(M * G), aligned_floats(M * G)};
     if (t.qs && t.kt && t.s && t.o && t.max && t.sum) {
         int64_t task;
-        while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) decode_task(a, &t, task / a->hkv, task % a->hkv);
+        while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
+            const int64_t c = task / a->hkv, h = task % a->hkv;
+            if (sh)
+                decode_chunk(a, &t, sh->order + sh->bounds[c], sh->bounds[c + 1] - sh->bounds[c], sh->shared[c], h);
+            else
+                decode_chunk(a, &t, &c, 1, 0, h);
+        }
     } else {
         a->failed = 1;
     }
@@ -478,16 +588,23 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
 /* One query row per request (a decode step), bit for bit what `rb_extend_attention` gives the last
    row of a request with the same keys. q, out: [B, Hkv * G, D]; request b's keys are
    kv_indices[starts[b] : + lens[b]] (lens[b] >= 1); lse: [B, Hkv * G] or NULL. dim % VEC == 0.
-   `softcap`: as in `rb_extend_attention_window` (0: none).
+   `softcap`: as in `rb_extend_attention_window` (0: none). `sharing` (or NULL): chunks of requests
+   that begin with the same slots (each request in exactly one chunk, shared[c] < every member's
+   lens); a chunk reads its shared keys once, which saves memory traffic and changes no bit.
    Returns 0, -1 when memory ran out, -2 for an unsupported dim. */
 int rb_decode_attention_invariant(const float *q, const float *k_cache, const float *v_cache,
                               const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
                               int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float softcap,
-                              float *out, float *lse, int64_t threads) {
+                              const rb_key_sharing *sharing, float *out, float *lse, int64_t threads) {
     if (dim % 16 != 0) return -2;
+    const int64_t chunks = sharing ? sharing->chunks : batch;
     extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
-                      dim, 1, batch * hkv, 0, 0, scale, softcap, out, lse, NULL, 0, 0};
+                      dim, 1, chunks * hkv, 0, 0, scale, softcap, out, lse, NULL, 0, 0};
+    int64_t widest = 1;
+    for (int64_t c = 0; sharing && c < chunks; c++)
+        widest = sharing->bounds[c + 1] - sharing->bounds[c] > widest ? sharing->bounds[c + 1] - sharing->bounds[c] : widest;
+    decode_job dj = {&job, sharing, widest};
     if (threads > job.tasks) threads = job.tasks;
-    rb_parallel(decode_part, &job, threads < 1 ? 1 : threads);
+    rb_parallel(decode_part, &dj, threads < 1 ? 1 : threads);
     return job.failed ? -1 : 0;
 }

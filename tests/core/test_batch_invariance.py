@@ -76,6 +76,27 @@ def test_a_retracted_request_resumes_with_the_same_bits(engine: Engine, step_log
     assert_same(alone, together)
 
 
+def test_batch_mates_behind_one_cached_prefix_read_it_once_with_their_solo_bits(
+        engine: Engine, step_logits, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows whose requests continue one cached radix node read its keys once per chunk of
+    requests (`native.KeySharing`), and each still gets the logits it gets alone."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(100, 40000) for _ in range(140)]
+    cases = [Case(prefix + [rng.randrange(100, 40000) for _ in range(rng.randrange(2, 30))],
+                  SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)) for _ in range(5)]
+    found: list[native.KeySharing | None] = []
+    find = native.KeySharing.find.__func__
+    monkeypatch.setattr(native.KeySharing, "find",
+                        classmethod(lambda cls, *args, **kwargs: found.append(find(cls, *args, **kwargs)) or found[-1]))
+    with speculation(engine, False):  # drafted rows are extends; decode rows are what this is about
+        alone = run_alone(engine, cases, step_logits)
+        assert not any(found)
+        engine.generate(input_ids=prefix, params=SamplingParams(max_new_tokens=1))  # the node the batch continues
+        together = run_together(engine, cases, step_logits, seed=5)
+    assert_same(alone, together)
+    assert any(sharing is not None and int(sharing.shared.max()) == 128 for sharing in found)
+
+
 @pytest.mark.parametrize("quantization", QUANTIZATIONS, ids=PATH_IDS)
 def test_the_disk_tier_reloads_give_the_same_bits(quantization: str, step_logits, tmp_path: Path) -> None:
     """A long prompt is written through to disk, dropped from memory, and loaded back."""

@@ -344,3 +344,14 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
                                    got.data_ptr(), None, 2) == 0
     want, _ = native.extend_attention(q, k_cache, v_cache, *index_args, 0.1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # invariant decode rows, alone and in chunks that read a shared prefix once: the same bits in this build too
+    kv_indices = torch.cat([torch.arange(200), torch.arange(150), torch.arange(200, 240), torch.arange(130), torch.arange(240, 290)])
+    starts, lens = torch.tensor([0, 200, 390]), torch.tensor([200, 190, 180])
+    q = torch.randn(3, 6, 80, generator=gen)
+    sharing = native.KeySharing.find(kv_indices, starts.tolist(), lens.tolist())
+    assert sharing is not None and sharing.shared.tolist() == [128]
+    alone, together = torch.empty_like(q), torch.empty_like(q)
+    for out, share in ((alone, None), (together, ctypes.byref(sharing.struct))):
+        assert lib.rb_decode_attention_invariant(*(t.data_ptr() for t in (q, k_cache, v_cache, kv_indices, starts, lens)),
+                                                 3, 2, 3, 80, 0.1, 0.0, share, out.data_ptr(), None, 2) == 0
+    assert torch.equal(alone, together)

@@ -366,3 +366,49 @@ def test_invariant_decode_gives_each_row_the_extend_kernels_bits(hq, hkv, dim, k
             assert torch.equal(out, extend[last]) and torch.equal(lse, extend_lse[last])
         default, _ = native.decode_attention(q[last], k_cache, v_cache, kv_indices, starts, lens, 0.125, threads=threads)
         torch.testing.assert_close(out, default, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv,dim,softcap", [(9, 3, 64, None), (8, 1, 128, None), (4, 4, 96, None),
+                                                (8, 2, 64, 20.0)])
+def test_requests_that_begin_with_the_same_keys_read_them_once_with_the_same_bits(hq, hkv, dim, softcap):
+    """Rows whose requests continue one radix node (the same leading slots) are read in chunks that
+    load the shared key blocks once: every row keeps, bit for bit, what it gets alone. Prefixes of
+    130 keys (two whole blocks shared) and 40 (none), 11 members (two chunks), and requests with no
+    partner; the chunks the finder made, and wrong chunks refused before the C code sees them."""
+    gen = torch.Generator().manual_seed(dim)
+    pool = 4096
+    k_cache, v_cache = torch.randn(pool, hkv, dim, generator=gen), torch.randn(pool, hkv, dim, generator=gen)
+    free = torch.randperm(pool, generator=gen).tolist()
+    take = lambda n: [free.pop() for _ in range(n)]  # noqa: E731
+    long_prefix, short_prefix = take(130), take(40)
+    tables = [long_prefix + take(1 + 7 * i) for i in range(11)]   # 11 requests behind a 130-key node
+    tables += [short_prefix + take(3), short_prefix + take(90)]   # a node shorter than one block
+    tables += [take(200)]                                          # a request of its own
+    tables.insert(5, take(64))                                     # interleaved in the batch order
+    kv_indices = torch.tensor([s for t in tables for s in t])
+    lens = torch.tensor([len(t) for t in tables])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)[:-1]])
+    q = torch.randn(len(tables), hq, dim, generator=gen)
+    sharing = native.KeySharing.find(kv_indices, starts.tolist(), lens.tolist(), max_members=8)
+    assert sharing is not None
+    assert sharing.bounds.diff().tolist()[:2] == [8, 3] and sharing.shared.tolist()[:2] == [128, 128]
+    assert sorted(sharing.order.tolist()) == list(range(len(tables)))
+    for threads in (1, 2):
+        plain, plain_lse = native.decode_attention(q, k_cache, v_cache, kv_indices, starts, lens, 0.125, with_lse=True,
+                                                   threads=threads, invariant=True, softcap=softcap)
+        shared, shared_lse = native.decode_attention(q, k_cache, v_cache, kv_indices, starts, lens, 0.125,
+                                                     with_lse=True, threads=threads, invariant=True, softcap=softcap,
+                                                     sharing=sharing)
+        assert torch.equal(plain, shared) and torch.equal(plain_lse, shared_lse)
+    reference, _ = reference_decode(q, k_cache, v_cache, tables, 0.125)
+    if softcap is None:
+        torch.testing.assert_close(shared, reference, atol=2e-6, rtol=1e-5)
+    one_chunk = native.KeySharing([(list(range(len(tables))), 0)])  # everyone in one chunk, nothing shared
+    assert torch.equal(native.decode_attention(q, k_cache, v_cache, kv_indices, starts, lens, 0.125, invariant=True,
+                                               softcap=softcap, sharing=one_chunk)[0], plain)
+    for bad in ([(list(range(len(tables) - 1)), 0)], [([0, 0] + list(range(2, len(tables))), 0)],
+                [(list(range(len(tables))), int(lens.min()))]):
+        with pytest.raises(ValueError, match="key sharing|shared prefix"):
+            native.decode_attention(q, k_cache, v_cache, kv_indices, starts, lens, 0.125, invariant=True,
+                                    sharing=native.KeySharing(bad))
+    assert native.KeySharing.find(kv_indices[:200], [0], [200]) is None
