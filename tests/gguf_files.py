@@ -245,13 +245,15 @@ _HF_TO_GGUF = {
 _HF_TO_GGUF_GEMMA2 = {**_HF_TO_GGUF, "post_attention_layernorm.weight": "post_attention_norm.weight",
                       "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                       "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+_HF_TO_GGUF_OLMO2 = {**_HF_TO_GGUF, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 _GGUF_ARCH = {"gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe",
-              "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+              "qwen3_moe": "qwen3moe", "mixtral": "llama", "olmo2": "olmo2"}
 _EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def hf_to_gguf(model_dir: Path, path: Path, matrix_type: str = "F32") -> Path:
-    """A tiny HF Gemma or MoE checkpoint as llama.cpp's converter writes it: its tensor names, Gemma's
+    """A tiny HF Gemma, OLMo 2 or MoE checkpoint as llama.cpp's converter writes it: its tensor names, Gemma's
     norm weights stored as 1 + w, the metadata llama.cpp reads (with the sliding layers as a
     per-layer flag array, which llama.cpp honours, so a checkpoint's own `layer_types` survive),
     experts stacked per layer, a llama (Mixtral) file's q/k rows permuted for llama.cpp's RoPE;
@@ -300,7 +302,7 @@ def hf_to_gguf(model_dir: Path, path: Path, matrix_type: str = "F32") -> Path:
         writer.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    names = _HF_TO_GGUF_GEMMA2 if arch in ("gemma2", "gemma3") else _HF_TO_GGUF
+    names = _HF_TO_GGUF_GEMMA2 if arch in ("gemma2", "gemma3") else _HF_TO_GGUF_OLMO2 if arch == "olmo2" else _HF_TO_GGUF
     tensors = load_file(str(model_dir / "model.safetensors"))
     stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, value in list(tensors.items()):

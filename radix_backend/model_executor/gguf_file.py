@@ -38,11 +38,15 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "phi3"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", "gemma"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3_text"),
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", "olmo2"),
 }
+# llama.cpp stores every Gemma norm weight as 1 + w
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 # a llama file with experts is a Mixtral
 _MIXTRAL = ("MixtralConfig", "MixtralForCausalLM", "mixtral")
 # experts: how many, how many each token uses, their width (and Qwen2-MoE's shared expert's)
@@ -83,6 +87,10 @@ _PHI3_LAYER_TENSORS = {**_LAYER_TENSORS, "attn_qkv.weight": "self_attn.qkv_proj.
 # Gemma 2/3: a norm after attention, before and after the MLP (llama.cpp's ffn_norm is the one before)
 _GEMMA_LAYER_TENSORS = {**_LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
                         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# OLMo 2: no norm before attention or MLP, one after each; q/k norms over the whole projection
+_OLMO2_LAYER_TENSORS = {**{k: v for k, v in _LAYER_TENSORS.items() if k not in ("attn_norm.weight", "ffn_norm.weight")},
+                        "post_attention_norm.weight": "post_attention_layernorm.weight",
                         "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 # mixtures of experts: the router, every expert stacked in one tensor ([E * I, H] rows; the model
 # slices them per expert), Qwen2-MoE's shared expert and its sigmoid gate
@@ -126,7 +134,7 @@ class GGUFModel:
                 continue
             if raw.rows == 1 and not name.endswith("shared_expert_gate.weight"):
                 tensor = tensor.reshape(-1)
-            if self.arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            if self.arch in _GEMMA_ARCHS and name.endswith("norm.weight"):
                 tensor = tensor - 1.0  # llama.cpp stores Gemma's norms as 1 + w
             yield name, tensor.to(torch.float32)
 
@@ -297,6 +305,7 @@ def _hf_name(path: Path, arch: str, name: str) -> str:
         return _GLOBAL_TENSORS[name]
     match = _LAYER_NAME.fullmatch(name)
     layer_names = {"phi3": _PHI3_LAYER_TENSORS, "gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS,
+                   "olmo2": _OLMO2_LAYER_TENSORS,
                    "qwen2moe": _MOE_LAYER_TENSORS, "qwen3moe": _MOE_LAYER_TENSORS,
                    "llama": _MOE_LAYER_TENSORS}.get(arch, _LAYER_TENSORS)
     if match and match.group(2) in layer_names:
@@ -341,6 +350,8 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
         raise ModelLoadError(f"{path.name}: a qwen2 model without attention biases is not supported")
     if arch == "llama" and "layers.0.self_attn.q_norm.weight" in tensors:
         raise ModelLoadError(f"{path.name}: q/k norms in a llama model are not supported")
+    if arch in ("gemma", "olmo2") and bias:
+        raise ModelLoadError(f"{path.name}: attention biases in a {arch} model are not supported")
     config_class = getattr(transformers, class_name)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
@@ -359,6 +370,8 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
         raise ModelLoadError(f"{path.name}: a {arch} file without {arch}.expert_count")
     if arch == "phi3":
         kwargs.update(_phi3_kwargs(path, get, rotary_dims, head_dim, rope_factors))
+    elif arch == "gemma":  # Gemma 1: GeGLU, the head size's scale, every layer global
+        kwargs["hidden_act"] = "gelu_pytorch_tanh"
     elif arch in ("gemma2", "gemma3"):
         kwargs.update(_gemma_kwargs(arch, get, kwargs))
     elif set(rope_factors) - {"rope_freqs.weight"}:

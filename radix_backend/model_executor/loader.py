@@ -109,7 +109,7 @@ def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     if ckpt.gguf is not None:
-        return _gguf_tokenizer(ckpt.path)
+        return _gguf_tokenizer(ckpt.path, ckpt.gguf.arch)
     if not any((ckpt.path / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelLoadError(f"checkpoint {ckpt.path} has no tokenizer files (expected one of "
                              f"{', '.join(_TOKENIZER_FILES)}); save the tokenizer there with tokenizer.save_pretrained")
@@ -211,7 +211,12 @@ def hf_directory(ckpt: Checkpoint) -> Path:
     return _cached_build(gguf_cache_path(ckpt.path), lambda tmp: _convert_gguf(ckpt.path, tmp), _is_complete)
 
 
-def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+# GGUF architectures whose tokenizers transformers converts only under another architecture's name,
+# whose converter reads the same tokenizer fields (Gemma's SentencePiece, Llama's SPM or BPE)
+_TOKENIZER_ARCH = {"gemma": "gemma2", "olmo2": "llama"}
+
+
+def _gguf_tokenizer(gguf: Path, arch: str) -> PreTrainedTokenizerBase:
     """The GGUF's tokenizer (and chat template), converted by transformers once and cached."""
     from transformers import AutoTokenizer
 
@@ -220,8 +225,13 @@ def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
 
     def convert(dest: Path) -> None:
         try:
-            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True).save_pretrained(
-                str(dest))
+            source = gguf
+            if arch in _TOKENIZER_ARCH:
+                source = _tokenizer_only_copy(gguf, _TOKENIZER_ARCH[arch], dest / "tokenizer-only.gguf")
+            AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name,
+                                          local_files_only=True).save_pretrained(str(dest))
+            if source != gguf:
+                source.unlink()
         except Exception as exc:
             raise ModelLoadError(f"could not read the tokenizer of GGUF file {gguf} with transformers: {exc}") from exc
 
@@ -230,6 +240,24 @@ def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(f"could not load the cached tokenizer {path}: {exc}") from exc
+
+
+def _tokenizer_only_copy(gguf: Path, arch: str, dest: Path) -> Path:
+    """The file's tokenizer and general metadata, no tensors, under architecture `arch`."""
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(str(gguf))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf_lib.GGUFWriter(str(dest), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.") or (key.startswith("general.") and key not in ("general.architecture",
+                                                                                         "general.alignment")):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
 
 
 def _cached_build(target: Path, build, complete) -> Path:

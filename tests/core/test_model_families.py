@@ -121,6 +121,7 @@ GGUF_CHECKPOINT_CHANGES = {
     "tiny_gemma3_dir": lambda config: {"query_pre_attn_scalar": config["head_dim"]},
     "tiny_qwen2_moe_dir": lambda config: {}, "tiny_qwen3_moe_dir": lambda config: {},
     "tiny_mixtral_dir": lambda config: {"sliding_window": None},
+    "tiny_gemma_dir": lambda config: {}, "tiny_olmo2_dir": lambda config: {},
 }
 
 
@@ -161,7 +162,7 @@ def test_gguf_files_of_each_family_run_in_their_own_types(fixture, request, tmp_
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir", "tiny_gemma2_dir",
-                                     "tiny_gemma3_dir"])
+                                     "tiny_gemma3_dir", "tiny_gemma_dir", "tiny_olmo2_dir"])
 def test_decode_steps_run_the_native_stack_with_the_per_layer_bits(fixture, request, tmp_path, monkeypatch):
     """A quantized file of a family beyond Llama: small decode steps run every layer in one native
     call (an MoE's router and picked experts included, kernels/csrc/moe.c, and Qwen2-MoE's
@@ -188,7 +189,8 @@ def test_decode_steps_run_the_native_stack_with_the_per_layer_bits(fixture, requ
         model = engine.runner.model
         assert engine.runner.quantization.decode_stack and model.decode_stack is not None
         routed = [layer.moe for layer in model.decode_stack.layers if layer.moe is not None]
-        assert len(routed) == {"tiny_qwen2_moe_dir": 2}.get(fixture, 0 if "gemma" in fixture else len(model.layers))
+        moe = "moe" in fixture or "mixtral" in fixture
+        assert len(routed) == {"tiny_qwen2_moe_dir": 2}.get(fixture, len(model.layers) if moe else 0)
         assert all((block.shared is not None) == ("qwen2_moe" in fixture) for block in routed)
         ids = [engine.encode(p) for p in PROMPTS[:2]]
         stacked = [engine.generate(input_ids=i, params=params) for i in ids] + engine.generate(input_ids=ids,
