@@ -50,11 +50,11 @@ _SIGNATURES = {
                             ctypes.c_int),
     "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _F, _P,
                                     _P, _I], ctypes.c_int),
-    "rb_add_rms_norm": ([_P, _P, _P, _I, _I, _F, _P, _P], None),
-    "rb_rope": ([_P, _I, _I, _I, _I, _P, _P, _I, _P], None),
-    "rb_silu_and_mul": ([_P, _I, _I, _P], None),
+    "rb_add_rms_norm_threads": ([_P, _P, _P, _I, _I, _F, _P, _P, _I], None),
+    "rb_rope_threads": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I], None),
+    "rb_silu_and_mul_threads": ([_P, _I, _I, _P, _I], None),
     "rb_silu_and_mul_bf16": ([_P, _I, _I, _P], None),
-    "rb_gelu_tanh_and_mul": ([_P, _I, _I, _P], None),
+    "rb_gelu_tanh_and_mul_threads": ([_P, _I, _I, _P, _I], None),
     "rb_sigmoid_gated_add": ([_P, _P, _P, _I, _I], None),
     "rb_q4_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P], None),
@@ -368,8 +368,9 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     out = torch.empty_like(residual)
     new_residual = residual if x is None else torch.empty_like(residual)
     x = None if x is None else x.contiguous()
-    library().rb_add_rms_norm(_ptr(x), residual.data_ptr(), weight.contiguous().data_ptr(), residual.numel() // dim,
-                              dim, eps, out.data_ptr(), None if x is None else new_residual.data_ptr())
+    library().rb_add_rms_norm_threads(_ptr(x), residual.data_ptr(), weight.contiguous().data_ptr(),
+                                      residual.numel() // dim, dim, eps, out.data_ptr(),
+                                      None if x is None else new_residual.data_ptr(), settings.matmul_threads())
     return out, new_residual
 
 
@@ -390,8 +391,8 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) 
     positions = checked_indices("positions", positions, tokens)
     check_within("positions", positions, cos_sin_cache.shape[0])
     out = torch.empty(tokens, heads, dim, dtype=x.dtype)
-    library().rb_rope(x.data_ptr(), x.stride(0), tokens, heads, dim, positions.data_ptr(),
-                      cos_sin_cache.data_ptr(), rot, out.data_ptr())
+    library().rb_rope_threads(x.data_ptr(), x.stride(0), tokens, heads, dim, positions.data_ptr(),
+                              cos_sin_cache.data_ptr(), rot, out.data_ptr(), settings.matmul_threads())
     return out
 
 
@@ -402,8 +403,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    kernel = library().rb_silu_and_mul_bf16 if x.dtype == torch.bfloat16 else library().rb_silu_and_mul
-    kernel(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+    if x.dtype == torch.bfloat16:
+        library().rb_silu_and_mul_bf16(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+    else:
+        library().rb_silu_and_mul_threads(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr(), settings.matmul_threads())
     return out
 
 
@@ -426,5 +429,6 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    library().rb_gelu_tanh_and_mul(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr())
+    library().rb_gelu_tanh_and_mul_threads(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr(),
+                                           settings.matmul_threads())
     return out

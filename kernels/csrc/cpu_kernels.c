@@ -264,6 +264,77 @@ void rb_sigmoid_gated_add(float *y, const float *gate, const float *x, int64_t r
     }
 }
 
+/* ---- the element-wise kernels above over many rows, split over the pool's threads ---------------
+   Prefill-sized calls (thousands of rows) from the per-layer path ran on one core while the other
+   waited. Each row's arithmetic is the serial kernel's on the same addresses, so a split changes
+   no bit. */
+#define ROWS_PARALLEL_MIN 65536 /* elements: below this a thread hand-off (~1 us) costs more than it saves */
+
+typedef enum { ROWS_NORM, ROWS_ROPE, ROWS_SILU, ROWS_GELU } rows_kind;
+
+typedef struct {
+    rows_kind kind;
+    const float *x, *residual, *weight, *cos_sin;
+    const int64_t *positions;
+    int64_t rows, dim, stride, heads, rot;
+    float eps;
+    float *out, *out_residual;
+} rows_job;
+
+static void rows_range(const rows_job *j, int64_t r0, int64_t r1) {
+    const int64_t n = r1 - r0, dim = j->dim;
+    switch (j->kind) {
+    case ROWS_NORM:
+        rb_add_rms_norm(j->x ? j->x + r0 * dim : NULL, j->residual + r0 * dim, j->weight, n, dim, j->eps,
+                        j->out + r0 * dim, j->out_residual ? j->out_residual + r0 * dim : NULL);
+        break;
+    case ROWS_ROPE:
+        rb_rope(j->x + r0 * j->stride, j->stride, n, j->heads, dim, j->positions + r0, j->cos_sin, j->rot,
+                j->out + r0 * j->heads * dim);
+        break;
+    case ROWS_SILU: rb_silu_and_mul(j->x + r0 * 2 * dim, n, dim, j->out + r0 * dim); break;
+    case ROWS_GELU: rb_gelu_tanh_and_mul(j->x + r0 * 2 * dim, n, dim, j->out + r0 * dim); break;
+    }
+}
+
+static void rows_part(void *ctx, int64_t part, int64_t parts) {
+    const rows_job *j = (const rows_job *)ctx;
+    const int64_t r0 = j->rows * part / parts, r1 = j->rows * (part + 1) / parts;
+    if (r0 < r1) rows_range(j, r0, r1);
+}
+
+static void over_rows(const rows_job *j, int64_t elements, int64_t threads) {
+    if (threads > j->rows) threads = j->rows;
+    if (threads <= 1 || elements < ROWS_PARALLEL_MIN)
+        rows_range(j, 0, j->rows);
+    else
+        rb_parallel(rows_part, (void *)j, threads);
+}
+
+void rb_add_rms_norm_threads(const float *x, const float *residual, const float *weight, int64_t rows, int64_t dim,
+                             float eps, float *out, float *out_residual, int64_t threads) {
+    const rows_job j = {.kind = ROWS_NORM, .x = x, .residual = residual, .weight = weight, .rows = rows, .dim = dim,
+                        .eps = eps, .out = out, .out_residual = out_residual};
+    over_rows(&j, rows * dim, threads);
+}
+
+void rb_rope_threads(const float *x, int64_t x_stride, int64_t tokens, int64_t heads, int64_t dim,
+                     const int64_t *positions, const float *cos_sin, int64_t rot, float *out, int64_t threads) {
+    const rows_job j = {.kind = ROWS_ROPE, .x = x, .cos_sin = cos_sin, .positions = positions, .rows = tokens,
+                        .dim = dim, .stride = x_stride, .heads = heads, .rot = rot, .out = out};
+    over_rows(&j, tokens * heads * dim, threads);
+}
+
+void rb_silu_and_mul_threads(const float *x, int64_t rows, int64_t d, float *out, int64_t threads) {
+    const rows_job j = {.kind = ROWS_SILU, .x = x, .rows = rows, .dim = d, .out = out};
+    over_rows(&j, rows * d, threads);
+}
+
+void rb_gelu_tanh_and_mul_threads(const float *x, int64_t rows, int64_t d, float *out, int64_t threads) {
+    const rows_job j = {.kind = ROWS_GELU, .x = x, .rows = rows, .dim = d, .out = out};
+    over_rows(&j, rows * d, threads);
+}
+
 /* rb_silu_and_mul on bf16 rows: computed in fp32 exactly as the fp32 kernel (so the result is
    the fp32 kernel's on the upcast input, rounded once), read and written as bf16 so that the
    MLP's dense bf16 GEMMs need no casts around it */

@@ -412,3 +412,31 @@ def test_requests_that_begin_with_the_same_keys_read_them_once_with_the_same_bit
             native.decode_attention(q, k_cache, v_cache, kv_indices, starts, lens, 0.125, invariant=True,
                                     sharing=native.KeySharing(bad))
     assert native.KeySharing.find(kv_indices[:200], [0], [200]) is None
+
+
+def test_element_wise_kernels_split_over_threads_with_the_same_bits():
+    """Prefill-sized norms, RoPE and gated activations split their rows over the thread pool; each
+    row's arithmetic is the one-thread kernel's, so the results are the same bits."""
+    from radix_backend.kernels import settings
+
+    gen = torch.Generator().manual_seed(5)
+    rows, dim = 700, 576
+    x, residual, weight = (torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen),
+                           torch.randn(dim, generator=gen))
+    qkv = torch.randn(rows, 15, 64, generator=gen)
+    positions = torch.randint(0, 2048, (rows,), generator=gen)
+    table = torch.randn(2048, 64, generator=gen)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen)
+
+    def run() -> list[torch.Tensor]:
+        return [*native.add_rms_norm(x, residual, weight, 1e-5), native.add_rms_norm(None, residual, weight, 1e-5)[0],
+                native.rope(qkv[:, :9], positions, table), native.silu_and_mul(gate_up), native.gelu_tanh_and_mul(gate_up)]
+
+    with settings.native_matmul_threads(1):
+        alone = run()
+    with settings.native_matmul_threads(2):
+        split = run()
+    assert all(torch.equal(a, b) for a, b in zip(alone, split))
+    gate, up = gate_up[:, :1536], gate_up[:, 1536:]
+    torch.testing.assert_close(split[4], F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split[5], F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
