@@ -6,10 +6,13 @@
    step (a hand-off costs about a microsecond) and sleep on a condition variable after
    SPIN_ROUNDS idle rounds, so they hold no core between steps or while torch runs. One caller at
    a time uses the pool; a second concurrent caller runs its loop on its own thread. */
+#define _GNU_SOURCE /* sched_getaffinity */
 #include "thread_pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
+#include <unistd.h>
 
 #define POOL_MAX 64
 #define SPIN_ROUNDS 20000 /* idle rounds (~100-300 us) before a helper sleeps */
@@ -70,8 +73,23 @@ static void reset_after_fork(void) {
 static pthread_once_t fork_hook = PTHREAD_ONCE_INIT;
 static void install_fork_hook(void) { pthread_atfork(NULL, NULL, reset_after_fork); }
 
+/* The CPUs this process may run on. Every dispatch waits for each started helper to see it, so a
+   helper beyond them (a caller once asked for more threads than there are cores) makes every later
+   loop wait for its turn on a busy core: the pool stops at one helper fewer than this count. */
+static int64_t usable_cpus(void) {
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+#endif
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? n : 1;
+}
+
 static void grow(int64_t helpers) {
+    static int64_t most = -1; /* helpers worth starting; the caller lock is held here */
     pthread_once(&fork_hook, install_fork_hook);
+    if (most < 0) most = usable_cpus() - 1;
+    if (helpers > most) helpers = most;
     while (pool.started < helpers && pool.started < POOL_MAX - 1) {
         pthread_t thread;
         birth_generation[pool.started + 1] = atomic_load(&pool.generation);
