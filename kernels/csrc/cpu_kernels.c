@@ -19,11 +19,6 @@
 #define PREFETCH_AHEAD 4 /* key rows */
 #define SPLIT_MIN_KEYS 256 /* a request's keys are split over threads only in pieces at least this long */
 
-static inline void prefetch_row(const float *row, int64_t floats) {
-    const char *bytes = (const char *)row;
-    for (int64_t c = 0; c < floats * (int64_t)sizeof(float); c += 64) __builtin_prefetch(bytes + c);
-}
-
 typedef struct {
     const float *q, *k_cache, *v_cache;
     const int64_t *kv_indices, *starts, *lens;
@@ -41,7 +36,7 @@ static inline __attribute__((always_inline)) void decode_request_dim(
     const int64_t *slots = a->kv_indices + a->starts[b];
     float *restrict out = a->out + b * H * D;
     for (int64_t j = 0; j < L; j++) {
-        if (j + PREFETCH_AHEAD < L) prefetch_row(a->k_cache + slots[j + PREFETCH_AHEAD] * row, row);
+        if (j + PREFETCH_AHEAD < L) rb_prefetch_floats(a->k_cache + slots[j + PREFETCH_AHEAD] * row, row);
         const float *krow = a->k_cache + slots[j] * row;
         for (int64_t h = 0; h < a->hkv; h++) {
             const float *k = krow + h * D;
@@ -68,7 +63,7 @@ static inline __attribute__((always_inline)) void decode_request_dim(
     }
     memset(out, 0, sizeof(float) * H * D);
     for (int64_t j = 0; j < L; j++) {
-        if (j + PREFETCH_AHEAD < L) prefetch_row(a->v_cache + slots[j + PREFETCH_AHEAD] * row, row);
+        if (j + PREFETCH_AHEAD < L) rb_prefetch_floats(a->v_cache + slots[j + PREFETCH_AHEAD] * row, row);
         const float *vrow = a->v_cache + slots[j] * row;
         for (int64_t h = 0; h < a->hkv; h++) {
             const float *v = vrow + h * D;

@@ -3,6 +3,13 @@
 #define RB_CPU_KERNELS_H
 #include <stdint.h>
 
+/* the 64-byte lines of `floats` floats from `row` on, fetched ahead (pool rows are scattered: no
+   hardware prefetcher follows them) */
+static inline void rb_prefetch_floats(const float *row, int64_t floats) {
+    const char *bytes = (const char *)row;
+    for (int64_t c = 0; c < floats * (int64_t)sizeof(float); c += 64) __builtin_prefetch(bytes + c);
+}
+
 int rb_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                         const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
                         int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale,

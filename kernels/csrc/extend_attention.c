@@ -332,8 +332,10 @@ static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp
 
 #define PREFETCH_KEYS 8 /* keys ahead whose K and V rows are fetched while this one is read */
 
-static inline void prefetch_row(const float *p, int64_t D) {
-    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(p + d); /* one per 64-byte line */
+/* key i's K and V rows (kv head h) of `slots` */
+static inline void prefetch_key(const extend_job *a, const int64_t *slots, int64_t i, int64_t h) {
+    const int64_t at = slots[i] * a->hkv * a->dim + h * a->dim;
+    rb_prefetch_floats(a->k_cache + at, a->dim), rb_prefetch_floats(a->v_cache + at, a->dim);
 }
 
 /* kt[d * BLOCK_KEYS + i] = k[i][d] for VEC keys: AVX-512 transposes 16 x 16 tiles in registers
@@ -455,9 +457,7 @@ static void member_begin(const extend_job *a, const decode_scratch *t, int64_t m
 
 /* K and V rows of keys [j, j + PREFETCH_KEYS) of `slots` below L, fetched ahead */
 static void prefetch_keys(const extend_job *a, const int64_t *slots, int64_t j, int64_t L, int64_t h) {
-    const int64_t row = a->hkv * a->dim;
-    for (int64_t i = j; i < j + PREFETCH_KEYS && i < L; i++)
-        prefetch_row(a->k_cache + slots[i] * row + h * a->dim, a->dim), prefetch_row(a->v_cache + slots[i] * row + h * a->dim, a->dim);
+    for (int64_t i = j; i < j + PREFETCH_KEYS && i < L; i++) prefetch_key(a, slots, i, h);
 }
 
 /* t->kt = the n keys of block j0 of `slots` (L keys in all), transposed; lanes past n repeat the
@@ -469,10 +469,7 @@ static void load_block(const extend_job *a, const decode_scratch *t, const int64
         const float *k[VEC];
         for (int64_t i = 0; i < VEC; i++) {
             const int64_t j = u * VEC + i;
-            if (j0 + j + PREFETCH_KEYS < L) { /* pool rows are scattered: no hardware prefetcher sees them */
-                const int64_t ahead = slots[j0 + j + PREFETCH_KEYS] * row + h * D;
-                prefetch_row(a->k_cache + ahead, D), prefetch_row(a->v_cache + ahead, D);
-            }
+            if (j0 + j + PREFETCH_KEYS < L) prefetch_key(a, slots, j0 + j + PREFETCH_KEYS, h);
             k[i] = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
         }
         transpose_keys(k, D, t->kt + u * VEC);
@@ -600,9 +597,11 @@ int rb_decode_attention_invariant(const float *q, const float *k_cache, const fl
     const int64_t chunks = sharing ? sharing->chunks : batch;
     extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
                       dim, 1, chunks * hkv, 0, 0, scale, softcap, out, lse, NULL, 0, 0};
-    int64_t widest = 1;
-    for (int64_t c = 0; sharing && c < chunks; c++)
-        widest = sharing->bounds[c + 1] - sharing->bounds[c] > widest ? sharing->bounds[c + 1] - sharing->bounds[c] : widest;
+    int64_t widest = 1; /* members of the largest chunk: the scratch holds that many requests' state */
+    for (int64_t c = 0; sharing && c < chunks; c++) {
+        const int64_t members = sharing->bounds[c + 1] - sharing->bounds[c];
+        widest = members > widest ? members : widest;
+    }
     decode_job dj = {&job, sharing, widest};
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(decode_part, &dj, threads < 1 ? 1 : threads);
