@@ -161,6 +161,28 @@ def test_gguf_files_of_each_family_run_in_their_own_types(fixture, request, tmp_
         assert [o.token_ids for o in engine.generate(input_ids=ids, params=params)] == first
 
 
+@pytest.mark.parametrize("fixture", ["tiny_gemma_dir", "tiny_olmo2_dir"])
+def test_gguf_attention_biases_the_family_has_not_are_refused_by_name(fixture, request, tmp_path):
+    """A Gemma or OLMo 2 file carrying attention biases (neither family has them, so nothing would
+    add them) is refused before any weight is read, not run without them."""
+    import shutil
+
+    from gguf_files import hf_to_gguf
+    from safetensors.torch import load_file, save_file
+
+    from radix_backend.errors import ModelLoadError
+
+    model_dir = tmp_path / "hf"
+    shutil.copytree(request.getfixturevalue(fixture), model_dir)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    width = tensors["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.full((width,), 0.5)
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    path = hf_to_gguf(model_dir, tmp_path / "biased.gguf", "F32")
+    with pytest.raises(ModelLoadError, match="attention biases"):
+        Engine(str(path), kv_cache_tokens=1024, device="cpu")
+
+
 @pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_mixtral_dir", "tiny_gemma2_dir",
                                      "tiny_gemma3_dir", "tiny_gemma_dir", "tiny_olmo2_dir"])
 def test_decode_steps_run_the_native_stack_with_the_per_layer_bits(fixture, request, tmp_path, monkeypatch):
