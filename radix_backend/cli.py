@@ -18,6 +18,7 @@ EXTERNAL_BENCHES = {  # bench name -> module with main(argv)
     "restart": "radix_backend.bench.restart_bench",
     "gguf-agreement": "radix_backend.bench.gguf_agreement",
     "spec": "radix_backend.bench.spec_bench",
+    "llama-bench": "radix_backend.bench.llama_bench",
 }
 CORE_BENCHES = ("few-shot", "multi-turn", "branching", "floor")
 
