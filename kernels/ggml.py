@@ -75,7 +75,16 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[..., n] bytes -> [..., 2n] codes: the n low nibbles, then the n high ones (ggml's order)."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+    n = qs.shape[-1]
+    codes = np.empty(qs.shape[:-1] + (2 * n,), dtype=np.uint8)
+    np.bitwise_and(qs, 15, out=codes[..., :n])
+    np.right_shift(qs, 4, out=codes[..., n:])
+    return codes
+
+
+def _bits(packed: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 8n] bits, bit j of byte i at 8i + j (a little-endian bit field)."""
+    return np.unpackbits(packed, axis=-1, bitorder="little")
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -114,16 +123,16 @@ def group_codes(t: RawTensor, rows: slice | np.ndarray | None = None) -> q4.Grou
         return out(codes, d, _f16(b[..., 2:4]), q4.SCALE_MIN)
     if kind in (Q5_0, Q5_1):
         start = 2 if kind == Q5_0 else 4
-        qh = np.ascontiguousarray(b[..., start:start + 4]).view(np.uint32)  # bit i: element i's 5th bit
-        upper = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        codes = _nibbles(b[..., start + 4:start + 20]) | (upper << 4)
+        upper = _bits(b[..., start:start + 4])  # bit i of the little-endian uint32: element i's 5th bit
+        codes = _nibbles(b[..., start + 4:start + 20])
+        codes |= np.left_shift(upper, 4, out=upper)
         d = _f16(b[..., 0:2])
         if kind == Q5_0:
             return out(codes, d, None, q4.SCALE_OFFSET, 1, offset=16.0)
         return out(codes, d, _f16(b[..., 2:4]), q4.SCALE_MIN, 1)
     if kind == Q8_0:
-        codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.int16) + 128
-        return out(codes.astype(np.uint8), _f16(b[..., 0:2]), None, q4.SCALE_OFFSET, 4, offset=128.0)
+        codes = b[..., 2:] ^ np.uint8(0x80)  # the int8 code + 128, as a byte
+        return out(codes, _f16(b[..., 0:2]), None, q4.SCALE_OFFSET, 4, offset=128.0)
     if kind in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])
