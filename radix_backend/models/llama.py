@@ -86,7 +86,15 @@ def rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tenso
     """[max_positions, rotary_dim] = cos half then sin half, with HF's rope scaling applied, and a
     GGUF's per-frequency factors (`rope_freq_factors`, Llama 3's rope_freqs.weight: each
     frequency divided by its factor, as llama.cpp does). `rotary_dim` is the head's rotated part
-    (`partial_rotary_factor` of it: Phi-4-mini rotates 3/4); the rest passes through unrotated."""
+    (`partial_rotary_factor` of it: Phi-4-mini rotates 3/4); the rest passes through unrotated.
+    Always computed on the CPU (callers move it): a model laid out on the meta device would
+    otherwise run these ops through torch's reference implementations, whose first use imports
+    torch._dynamo (~0.8 s of every GGUF load)."""
+    with torch.device("cpu"):
+        return _rope_cos_sin_cache(config, head_dim, max_positions)
+
+
+def _rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tensor:
     params = rope_parameters(config)
     kind = rope_kind(params)
     rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
@@ -249,7 +257,10 @@ class LlamaForCausalLM(nn.Module):
         all_reduce = tp.all_reduce if tp is not None and tp.size > 1 else None
         self.config = config
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # no random init (every weight is loaded; a missing one is refused): on the meta device
+        # nn.Embedding's normal_ runs torch's reference ops, whose first use imports torch._dynamo
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(self.make_layer(config, i, self.tp_size, all_reduce)
                                     for i in range(config.num_hidden_layers))
         self.norm = self.make_norm(config.hidden_size, config.rms_norm_eps)
