@@ -152,10 +152,11 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def default_inv_freq(rot_dim: int, base: float = 10000.0) -> torch.Tensor:
-    """Plain RoPE frequencies (HF `rope_type="default"`): base ** (-2i / rot_dim), fp32."""
+    """Plain RoPE frequencies (HF `rope_type="default"`): base ** (-2i / rot_dim), fp32, on the CPU
+    whatever the default device (on the meta device these ops would import torch._dynamo)."""
     if rot_dim <= 0 or rot_dim % 2:
         raise ValueError(f"rot_dim must be a positive even number, got {rot_dim}")
-    return 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    return 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim))
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_pos: int, attention_scaling: float = 1.0,
