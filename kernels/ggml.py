@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import q4, q8
+from . import native, q4, q8, settings
 
 # ggml type ids (ggml.h)
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
@@ -95,70 +95,109 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def group_codes(t: RawTensor, rows: slice | np.ndarray | None = None) -> q4.GroupCodes:
-    """A low-bit tensor's codes and parameters per group of 32 (`q4.GroupCodes`)."""
+def group_codes(t: RawTensor, rows: slice | np.ndarray | None = None, with_codes: bool = True) -> q4.GroupCodes:
+    """A low-bit tensor's codes and parameters per group of 32 (`q4.GroupCodes`); without
+    `with_codes` the parameters only (codes None: `pack` decodes them natively)."""
     b = t.blocks(rows)
-    n, nb = b.shape[:2]
+    n = b.shape[0]
     kind = t.ggml_type
+    if kind not in LOW_BIT_TYPES:
+        raise UnsupportedTensorType(f"{t.name}: {type_name(kind)} is not a low-bit group type")
 
     def tensor(a: np.ndarray | None, dtype) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(n, -1), dtype=dtype))
 
-    def out(codes: np.ndarray, first: np.ndarray, second: np.ndarray | None, layout: int, high_bits: int = 0,
-            offset: float = 0.0, k_parts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> q4.GroupCodes:
-        sub_first, sub_second, factors = k_parts or (None, None, None)
-        weights = q4.GroupCodes(tensor(codes, np.uint8), tensor(first, np.float32), tensor(second, np.float32),
-                                layout, high_bits, offset, k_parts is not None, tensor(sub_first, np.int8),
-                                tensor(sub_second, np.int8), tensor(factors, np.float16))
-        if weights.factors is not None:
-            weights.factors = weights.factors.view(n, -1, 2)
-        return weights
+    first, second, layout, high_bits, offset, k_parts = _group_params(kind, b)
+    sub_first, sub_second, factors = k_parts or (None, None, None)
+    weights = q4.GroupCodes(tensor(_codes(kind, b), np.uint8) if with_codes else None, tensor(first, np.float32),
+                            tensor(second, np.float32), layout, high_bits, offset, k_parts is not None,
+                            tensor(sub_first, np.int8), tensor(sub_second, np.int8), tensor(factors, np.float16))
+    if weights.factors is not None:
+        weights.factors = weights.factors.view(n, -1, 2)
+    return weights
 
+
+def _codes(kind: int, b: np.ndarray) -> np.ndarray:
+    """Blocks [n, nb, bytes] -> codes [n, nb, weights per block] (the reference decoder; the
+    native one in csrc/q4_pack.c gives the same bytes)."""
+    n, nb = b.shape[:2]
     if kind in (Q4_0, Q4_1):
-        d = _f16(b[..., 0:2])
         start = 2 if kind == Q4_0 else 4
-        codes = _nibbles(b[..., start:start + 16])
-        if kind == Q4_0:
-            return out(codes, d, None, q4.SCALE_OFFSET, offset=8.0)
-        return out(codes, d, _f16(b[..., 2:4]), q4.SCALE_MIN)
+        return _nibbles(b[..., start:start + 16])
     if kind in (Q5_0, Q5_1):
         start = 2 if kind == Q5_0 else 4
         upper = _bits(b[..., start:start + 4])  # bit i of the little-endian uint32: element i's 5th bit
         codes = _nibbles(b[..., start + 4:start + 20])
         codes |= np.left_shift(upper, 4, out=upper)
-        d = _f16(b[..., 0:2])
-        if kind == Q5_0:
-            return out(codes, d, None, q4.SCALE_OFFSET, 1, offset=16.0)
-        return out(codes, d, _f16(b[..., 2:4]), q4.SCALE_MIN, 1)
+        return codes
     if kind == Q8_0:
-        codes = b[..., 2:] ^ np.uint8(0x80)  # the int8 code + 128, as a byte
-        return out(codes, _f16(b[..., 0:2]), None, q4.SCALE_OFFSET, 4, offset=128.0)
+        return b[..., 2:] ^ np.uint8(0x80)  # the int8 code + 128, as a byte
     if kind in (Q4_K, Q5_K):
-        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-        sc, mn = _k_scales(b[..., 4:16])
         qs = b[..., -128:].reshape(n, nb, 4, 32)  # 4 chunks of 64 weights: low nibbles, then high
         codes = _nibbles(qs).reshape(n, nb, 8, 32)
-        high_bits = 0
         if kind == Q5_K:  # bit j of byte i: the 5th bit of element 32j + i
             qh = b[..., 16:48].reshape(n, nb, 1, 32)
             codes = codes | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
-            high_bits = 1
+        return codes
+    ql, qh = b[..., 0:128], b[..., 128:192]  # Q6_K
+    low = _nibbles(ql.reshape(n, nb, 2, 64))  # 2 chunks of 128 weights
+    upper = (qh.reshape(n, nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    return low | (upper.reshape(n, nb, 2, 128) << 4)
+
+
+_Params = tuple[np.ndarray, "np.ndarray | None", int, int, float, "tuple[np.ndarray, np.ndarray, np.ndarray] | None"]
+
+
+def _group_params(kind: int, b: np.ndarray) -> _Params:
+    """(first, second, layout, high bits, offset, K-quant parts) of `q4.GroupCodes` for blocks b."""
+    n, nb = b.shape[:2]
+    if kind in (Q4_0, Q4_1):
+        d = _f16(b[..., 0:2])
+        if kind == Q4_0:
+            return d, None, q4.SCALE_OFFSET, 0, 8.0, None
+        return d, _f16(b[..., 2:4]), q4.SCALE_MIN, 0, 0.0, None
+    if kind in (Q5_0, Q5_1):
+        d = _f16(b[..., 0:2])
+        if kind == Q5_0:
+            return d, None, q4.SCALE_OFFSET, 1, 16.0, None
+        return d, _f16(b[..., 2:4]), q4.SCALE_MIN, 1, 0.0, None
+    if kind == Q8_0:
+        return _f16(b[..., 0:2]), None, q4.SCALE_OFFSET, 4, 128.0, None
+    if kind in (Q4_K, Q5_K):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scales(b[..., 4:16])
         scale = d[..., None] * sc  # [n, nb, 8]: exact in fp32, as gguf computes it
         minimum = -(dmin[..., None] * mn)
         factors = np.stack([d, -dmin], axis=-1).astype(np.float16)  # -dmin * m == -(dmin * m) exactly
-        return out(codes, scale, minimum, q4.SCALE_MIN, high_bits, k_parts=(sc, mn, factors))
-    if kind == Q6_K:
-        ql, qh, scales = b[..., 0:128], b[..., 128:192], b[..., 192:208]
-        d = _f16(b[..., 208:210])
-        low = _nibbles(ql.reshape(n, nb, 2, 64))  # 2 chunks of 128 weights
-        upper = (qh.reshape(n, nb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
-        codes = low | (upper.reshape(n, nb, 2, 128) << 4)
-        sub = np.ascontiguousarray(scales).view(np.int8).reshape(n, nb, 8, 2)
-        scale = d[..., None, None] * sub.astype(np.float32)
-        factors = np.stack([d, d], axis=-1).astype(np.float16)
-        return out(codes, scale[..., 0], scale[..., 1], q4.SCALE16_OFFSET, 2, offset=32.0,
-                   k_parts=(sub[..., 0], sub[..., 1], factors))
-    raise UnsupportedTensorType(f"{t.name}: {type_name(kind)} is not a low-bit group type")
+        return scale, minimum, q4.SCALE_MIN, int(kind == Q5_K), 0.0, (sc, mn, factors)
+    scales, d = b[..., 192:208], _f16(b[..., 208:210])  # Q6_K
+    sub = np.ascontiguousarray(scales).view(np.int8).reshape(n, nb, 8, 2)
+    scale = d[..., None, None] * sub.astype(np.float32)
+    factors = np.stack([d, d], axis=-1).astype(np.float16)
+    return scale[..., 0], scale[..., 1], q4.SCALE16_OFFSET, 2, 32.0, (sub[..., 0], sub[..., 1], factors)
+
+
+def multiplies_exactly(t: RawTensor) -> bool:
+    """`q4.multiplies_exactly` read from the file's blocks (a Q8_0 code of -128 is the byte 0x80)."""
+    if t.ggml_type != Q8_0 or native.library().rb_q4_smallest_8bit_code() == 0:
+        return True
+    return not bool(np.any(t.blocks()[..., 2:] == 0x80))
+
+
+def pack(t: RawTensor, bias: torch.Tensor | None = None) -> q4.PackedQ4:
+    """A low-bit tensor in the kernel's layout (rows padded to 16), its codes decoded and packed
+    straight from the file's blocks by the native packer (csrc/q4_pack.c): a load never holds a
+    tensor's unpacked codes."""
+    params = q4.pad_rows(group_codes(t, with_codes=False))
+    data = np.ascontiguousarray(t.data)
+
+    def fill(nibbles: torch.Tensor, high: torch.Tensor | None, n: int) -> None:
+        if native.library().rb_ggml_pack(t.ggml_type, data.ctypes.data, t.rows, n, t.cols, data.shape[1],
+                                         params.high_bits, nibbles.data_ptr(),
+                                         None if high is None else high.data_ptr(), settings.matmul_threads()):
+            raise UnsupportedTensorType(f"{t.name}: {type_name(t.ggml_type)} has no native packer")
+
+    return q4.pack(params, bias, fill_codes=fill)
 
 
 def q8_codes(t: RawTensor, rows: slice | np.ndarray | None = None) -> q8.PackedQ8:

@@ -17,11 +17,12 @@ outputs side by side.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from . import native
+from . import native, settings, weight_arena
 
 Q4_ROWS = 16  # output rows per block of the packed layout (csrc/q4.h)
 GROUP_SIZE = 32  # input features per scale/minimum
@@ -53,7 +54,7 @@ class GroupCodes:
     `first` is the scale (of features 0..15 for SCALE16_OFFSET), `second` the minimum (SCALE_MIN),
     the scale of features 16..31 (SCALE16_OFFSET) or None (SCALE_OFFSET)."""
 
-    codes: torch.Tensor  # [N, K] uint8, < 2 ** (4 + high_bits)
+    codes: torch.Tensor | None  # [N, K] uint8, < 2 ** (4 + high_bits); None: `pack`'s fill_codes makes them
     first: torch.Tensor  # [N, K / 32] fp32
     second: torch.Tensor | None
     layout: int
@@ -163,19 +164,26 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
     return pack(GroupCodes(codes, scale, minimum, SCALE_MIN), bias)
 
 
-def pack(weights: GroupCodes, bias: torch.Tensor | None = None) -> PackedQ4:
-    """`weights` in the kernel's layout; N must be a multiple of 16 (see `pad_rows`)."""
-    n, k = weights.codes.shape
+def pack(weights: GroupCodes, bias: torch.Tensor | None = None,
+         fill_codes: Callable[[torch.Tensor, torch.Tensor | None, int], None] | None = None) -> PackedQ4:
+    """`weights` in the kernel's layout; N must be a multiple of 16 (see `pad_rows`). `fill_codes`
+    (nibbles, high planes, N) writes the packed codes where `weights` has none (`ggml.pack`)."""
+    n, k = weights.first.shape[0], weights.first.shape[1] * GROUP_SIZE
     if n % Q4_ROWS or k % GROUP_SIZE:
         raise ValueError(f"packing needs N % {Q4_ROWS} == 0 and K % {GROUP_SIZE} == 0; got {(n, k)}")
     if weights.high_bits not in (0, 1, 2, 4):
         raise ValueError(f"codes of 4, 5, 6 or 8 bits only; got high_bits={weights.high_bits}")
     groups = k // GROUP_SIZE
-    codes = weights.codes.to(torch.uint8).contiguous()
-    packed = torch.empty(n // Q4_ROWS, groups, 4, Q4_ROWS, 4, dtype=torch.uint8)
-    high = torch.zeros(n // Q4_ROWS, groups, weights.high_bits, Q4_ROWS * 4, dtype=torch.uint8) if weights.high_bits else None
-    native.library().rb_q4_pack_codes(codes.data_ptr(), n, k, weights.high_bits, packed.data_ptr(),
-                                      None if high is None else high.data_ptr())
+    packed = weight_arena.empty((n // Q4_ROWS, groups, 4, Q4_ROWS, 4), torch.uint8)  # every byte written below
+    high = weight_arena.empty((n // Q4_ROWS, groups, weights.high_bits, Q4_ROWS * 4), torch.uint8) if weights.high_bits else None
+    if weights.codes is None:
+        if fill_codes is None:
+            raise ValueError("weights without codes need fill_codes")
+        fill_codes(packed, high, n)
+    else:
+        codes = weights.codes.to(torch.uint8).contiguous()
+        native.library().rb_q4_pack_codes(codes.data_ptr(), n, k, weights.high_bits, packed.data_ptr(),
+                                          None if high is None else high.data_ptr(), settings.matmul_threads())
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 16]
         return t.view(n // Q4_ROWS, Q4_ROWS, groups).permute(0, 2, 1)
@@ -196,7 +204,7 @@ def pack(weights: GroupCodes, bias: torch.Tensor | None = None) -> PackedQ4:
 
 def pad_rows(weights: GroupCodes) -> GroupCodes:
     """`weights` with zero rows appended up to a multiple of 16 output rows (their outputs are 0)."""
-    n = weights.codes.shape[0]
+    n = weights.first.shape[0]
     extra = -n % Q4_ROWS
     if not extra:
         return weights

@@ -275,7 +275,7 @@ class GGUFLinear(nn.Module):
     kept in its GGUF type and its outputs side by side. Low-bit types (4/5/6/8-bit) run the native
     low-bit kernel, chained into one call when every part fits its 16-row blocks (`native_q4`,
     which the decode stack also takes; a Q8_0 tensor the build cannot multiply exactly,
-    `q4.multiplies_exactly`, runs the native 8-bit kernel, `Int8Linear`, instead); float
+    `ggml.multiplies_exactly`, runs the native 8-bit kernel, `Int8Linear`, instead); float
     tensors, and every type where the native kernels do not build, run as fp32 (`kernels` says
     which ran where)."""
 
@@ -304,9 +304,8 @@ class GGUFLinear(nn.Module):
             kind = ggml.type_name(raw.ggml_type)
             low_bit = (native_ok and raw.ggml_type in ggml.LOW_BIT_TYPES
                        and not (q8_head_on_8bit_kernel and raw.ggml_type == ggml.Q8_0))
-            codes = ggml.group_codes(raw) if low_bit else None
-            if codes is not None and q4.multiplies_exactly(codes):
-                weight = q4.pack(q4.pad_rows(codes), bias=_pad(bias, -raw.rows % q4.Q4_ROWS))
+            if low_bit and ggml.multiplies_exactly(raw):
+                weight = ggml.pack(raw, bias=_pad(bias, -raw.rows % q4.Q4_ROWS))
                 self._keep(f"part{i}", weight)
                 packed.append(weight)
                 self.runners.append(weight)

@@ -595,21 +595,3 @@ int rb_q4_matmul(const rb_q4_weight *w, const float *x, int64_t M, float *y, int
 /* codes [N, K] (one byte each, < 2^(4 + high_bits)) into q4.h's layout: their low 4 bits as the
    nibbles [N / 16, K / 32, 4, 16, 4], their upper bits into the zeroed planes
    [N / 16, K / 32, high_bits, 64] (quad j = features 4j..4j+3 of the group). */
-void rb_q4_pack_codes(const uint8_t *codes, int64_t N, int64_t K, int64_t high_bits, uint8_t *nibbles,
-                      uint8_t *high) {
-    const int64_t groups = K / 32;
-    for (int64_t b = 0; b < N / Q4_ROWS; b++)
-        for (int64_t g = 0; g < groups; g++)
-            for (int r = 0; r < Q4_ROWS; r++) {
-                const uint8_t *row = codes + (b * Q4_ROWS + r) * K + g * 32;
-                const int64_t at = b * groups + g;
-                for (int j = 0; j < 4; j++)
-                    for (int k = 0; k < 4; k++)
-                        nibbles[((at * 4 + j) * Q4_ROWS + r) * 4 + k] = (uint8_t)((row[4 * j + k] & 15) | ((row[16 + 4 * j + k] & 15) << 4));
-                for (int j = 0; j < 8 && high_bits; j++) {
-                    const int bit = j * (int)high_bits;
-                    for (int k = 0; k < 4; k++)
-                        high[(at * high_bits + bit / 8) * 64 + r * 4 + k] |= (uint8_t)((row[4 * j + k] >> 4) << (bit % 8));
-                }
-            }
-}

@@ -14,7 +14,7 @@ import mmap
 import torch
 from torch import nn
 
-from radix_backend.kernels import ggml, quant
+from radix_backend.kernels import ggml, quant, weight_arena
 
 from .llama import LlamaForCausalLM
 
@@ -34,26 +34,27 @@ def build_gguf_model(config, tensors: dict[str, ggml.RawTensor]) -> LlamaForCaus
     def bias(name: str) -> torch.Tensor | None:
         return ggml.dequantize(raw(name)).reshape(-1) if name in tensors else None
 
-    for i, layer in enumerate(model.layers):
-        p = f"layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = [f"{p}self_attn.{n}_proj" for n in "qkv"]
-        if f"{p}self_attn.qkv_proj.weight" in tensors:  # Phi-3 files store q|k|v (and gate|up) fused
-            attn.qkv_proj = quant.GGUFLinear([raw(f"{p}self_attn.qkv_proj.weight")])
-        else:
-            attn.qkv_proj = quant.GGUFLinear([raw(f"{n}.weight") for n in qkv], [bias(f"{n}.bias") for n in qkv])
-        attn.o_proj = quant.GGUFLinear([raw(f"{p}self_attn.o_proj.weight")])
-        if hasattr(mlp, "experts"):
-            _load_gguf_moe(mlp, f"{p}mlp.", tensors, raw)
-        elif f"{p}mlp.gate_up_proj.weight" in tensors:
-            mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_up_proj.weight")])
-        else:
-            mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_proj.weight"), raw(f"{p}mlp.up_proj.weight")])
-        if not hasattr(mlp, "experts"):
-            mlp.down_proj = quant.GGUFLinear([raw(f"{p}mlp.down_proj.weight")])
-    model.embed_tokens = quant.GGUFEmbedding(raw("embed_tokens.weight"))
-    head = "embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
-    model.lm_head_quant = quant.GGUFLinear([raw(head)], fixed_activation_bits=quant.HEAD_ACTIVATION_BITS)
+    with weight_arena.active(weight_arena.WeightArena()):  # packed weights in huge pages
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [f"{p}self_attn.{n}_proj" for n in "qkv"]
+            if f"{p}self_attn.qkv_proj.weight" in tensors:  # Phi-3 files store q|k|v (and gate|up) fused
+                attn.qkv_proj = quant.GGUFLinear([raw(f"{p}self_attn.qkv_proj.weight")])
+            else:
+                attn.qkv_proj = quant.GGUFLinear([raw(f"{n}.weight") for n in qkv], [bias(f"{n}.bias") for n in qkv])
+            attn.o_proj = quant.GGUFLinear([raw(f"{p}self_attn.o_proj.weight")])
+            if hasattr(mlp, "experts"):
+                _load_gguf_moe(mlp, f"{p}mlp.", tensors, raw)
+            elif f"{p}mlp.gate_up_proj.weight" in tensors:
+                mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_up_proj.weight")])
+            else:
+                mlp.gate_up_proj = quant.GGUFLinear([raw(f"{p}mlp.gate_proj.weight"), raw(f"{p}mlp.up_proj.weight")])
+            if not hasattr(mlp, "experts"):
+                mlp.down_proj = quant.GGUFLinear([raw(f"{p}mlp.down_proj.weight")])
+        model.embed_tokens = quant.GGUFEmbedding(raw("embed_tokens.weight"))
+        head = "embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
+        model.lm_head_quant = quant.GGUFLinear([raw(head)], fixed_activation_bits=quant.HEAD_ACTIVATION_BITS)
     if not model.tie_word_embeddings:
         del model.lm_head
     _materialize(model)

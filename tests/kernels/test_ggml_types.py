@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from radix_backend.kernels import ggml, native, q4
+from radix_backend.kernels import ggml, native, q4, weight_arena
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
@@ -90,6 +90,27 @@ def test_rows_padded_to_blocks_of_16():
     assert torch.count_nonzero(q4.q4_matmul(x, packed)[:, 40:]) == 0
 
 
+PACKED_FIELDS = ("codes", "params", "high", "super")
+
+
+@pytest.mark.parametrize("kind", ggml.LOW_BIT_TYPES, ids=ggml.type_name)
+@pytest.mark.parametrize("rows", [16, 40, 300])
+def test_native_packer_equals_the_numpy_codes_packed(kind, rows):
+    """A load decodes and packs the file's blocks natively (csrc/q4_pack.c, rows padded to 16):
+    byte for byte what the numpy decoder's codes give through the codes packer, inside an arena
+    small enough that the tensors span several chunks."""
+    t = random_tensor(kind, rows, 512, seed=rows + kind)
+    want = q4.pack(q4.pad_rows(ggml.group_codes(t)), bias=torch.ones(-rows % 16 + rows))
+    with weight_arena.active(weight_arena.WeightArena(chunk_bytes=4096)):
+        got = ggml.pack(t, bias=torch.ones(-rows % 16 + rows))
+    for name in PACKED_FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        assert a is None or torch.equal(a, b), f"{ggml.type_name(kind)}: {name} differs"
+    x = torch.randn(3, 512)
+    assert torch.equal(q4.q4_matmul(x, got), q4.q4_matmul(x, want))
+
+
 def test_q8_0_codes_of_minus_128_stay_exact():
     """A Q8_0 code of -128 (valid in the format, never written by llama.cpp) keeps exact products: it
     runs on the low-bit kernel where the build multiplies it exactly, else on the 8-bit kernel."""
@@ -100,6 +121,7 @@ def test_q8_0_codes_of_minus_128_stay_exact():
     assert int(codes.codes.min()) == 0  # random blocks hold every code, -128 included
     assert q4.multiplies_exactly(codes) == (native.library().rb_q4_smallest_8bit_code() == 0)
     assert q4.multiplies_exactly(dataclasses.replace(codes, codes=codes.codes.clamp(min=1)))
+    assert ggml.multiplies_exactly(t) == q4.multiplies_exactly(codes)  # read from the blocks at load
     layer = GGUFLinear([t])
     assert (layer.native_q4 is not None) == q4.multiplies_exactly(codes)
     x = torch.randn(3, 256)
