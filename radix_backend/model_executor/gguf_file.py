@@ -27,10 +27,10 @@ import numpy as np
 from radix_backend.kernels import ggml
 
 from ..errors import ModelLoadError
+from .gguf_config import GGUFConfig, with_rope_parameters
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig
 
 # GGUF architecture -> (transformers config class name, HF architecture, model_type)
 ARCHITECTURES = {
@@ -114,7 +114,7 @@ class GGUFModel:
 
     path: Path
     arch: str
-    config: PretrainedConfig
+    config: GGUFConfig
     tensors: dict[str, ggml.RawTensor]
 
     def dequantized_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -258,7 +258,8 @@ def open_gguf(path: Path) -> GGUFModel:
         raise ModelLoadError(f"{path.name}: metadata field(s) {', '.join(unknown)} would change the model's math "
                              "and are not implemented; refusing to run it approximately")
     tensors, rope_factors = _tensors(path, arch, infos, mapped)
-    config = _config(path, arch, meta, tensors, rope_factors)
+    _, model_type, fields = _config_fields(path, arch, meta, tensors, rope_factors)
+    config = GGUFConfig(model_type, **with_rope_parameters(fields))
     _unpermute_qk(arch, config, tensors)
     return GGUFModel(path, arch, config, tensors)
 
@@ -313,10 +314,17 @@ def _hf_name(path: Path, arch: str, name: str) -> str:
     raise ModelLoadError(f"{path.name}: tensor {name!r} is not part of a model we implement (would be ignored)")
 
 
-def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml.RawTensor],
-            rope_factors: dict[str, np.ndarray]) -> PretrainedConfig:
-    import transformers
+def config_fields(path: Path) -> tuple[str, str, dict[str, Any]]:
+    """(transformers config class name, model_type, its arguments) for the GGUF file at `path`:
+    what `open_gguf`'s config holds (the tests build the transformers class from these)."""
+    meta, infos, mapped = read_header(path)
+    arch = meta["general.architecture"]
+    tensors, rope_factors = _tensors(path, arch, infos, mapped)
+    return _config_fields(path, arch, meta, tensors, rope_factors)
 
+
+def _config_fields(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml.RawTensor],
+                   rope_factors: dict[str, np.ndarray]) -> tuple[str, str, dict[str, Any]]:
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     class_name, hf_arch, model_type = _MIXTRAL if arch == "llama" and experts else ARCHITECTURES[arch]
 
@@ -352,7 +360,6 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
         raise ModelLoadError(f"{path.name}: q/k norms in a llama model are not supported")
     if arch in ("gemma", "olmo2") and bias:
         raise ModelLoadError(f"{path.name}: attention biases in a {arch} model are not supported")
-    config_class = getattr(transformers, class_name)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")), num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -376,14 +383,13 @@ def _config(path: Path, arch: str, meta: dict[str, Any], tensors: dict[str, ggml
         kwargs.update(_gemma_kwargs(arch, get, kwargs))
     elif set(rope_factors) - {"rope_freqs.weight"}:
         raise ModelLoadError(f"{path.name}: LongRoPE factor tensors in a {arch} model are not supported")
-    config = config_class(**kwargs)
     factors = rope_factors.get("rope_freqs.weight")
     if factors is not None:
         if factors.shape[0] != head_dim // 2:
             raise ModelLoadError(f"{path.name}: rope_freqs.weight has {factors.shape[0]} values for head size "
                                  f"{head_dim}")
-        config.rope_freq_factors = [float(v) for v in factors]  # read by the model's RoPE table
-    return config
+        kwargs["rope_freq_factors"] = [float(v) for v in factors]  # read by the model's RoPE table
+    return class_name, model_type, kwargs
 
 
 def _phi3_kwargs(path: Path, get: Any, rotary_dims: int, head_dim: int,

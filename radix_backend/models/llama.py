@@ -106,7 +106,8 @@ def _rope_cos_sin_cache(config, head_dim: int, max_positions: int) -> torch.Tens
     else:  # llama3, yarn, longrope: HF's own initialisation (longrope: its short factors, see config_check)
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, None)
+        hf_config = config.to_transformers() if hasattr(config, "to_transformers") else config  # a GGUFConfig
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, None)
         attention_scaling = float(attention_scaling)
     if inv_freq.numel() * 2 != rotary_dim:
         raise ValueError(f"rope {kind!r} gave {inv_freq.numel() * 2} rotary dims, expected {rotary_dim}")

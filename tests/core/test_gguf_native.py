@@ -87,7 +87,7 @@ def test_the_fp32_reference_of_a_gguf_reproduces_transformers(model_file):
     transformers = pytest.importorskip("transformers")
     # transformers' GGUF reader leaves qwen3's head size at its default (it skips key_length): it
     # gets the config we read, the tensors it reads itself
-    config = resolve_checkpoint(model_file).config
+    config = resolve_checkpoint(model_file).config.to_transformers()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_file.parent), gguf_file=model_file.name,
                                                            config=config, dtype=torch.float32).eval()
     with Engine(str(model_file), kv_cache_tokens=1024, quantization="none") as ref:
