@@ -15,6 +15,7 @@ as plain memory). A chunk is freed when the last tensor viewing it goes.
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import math
 import mmap
 from collections.abc import Iterator
@@ -64,6 +65,28 @@ def active(arena: WeightArena) -> Iterator[WeightArena]:
         yield arena
     finally:
         _current.reset(token)
+
+
+def relocate(module: torch.nn.Module) -> None:
+    """Move `module`'s CPU parameters into a fresh arena, one at a time (values, sharing and
+    Parameter objects kept): for weights loaded elsewhere that the kernels then read every step
+    (the fp32 path's decode stack). Call it before anything takes pointers to them."""
+    arena = WeightArena()
+    for param in module.parameters():  # each shared parameter once
+        if param.device.type == "cpu" and param.numel():
+            moved = arena.empty(tuple(param.shape), param.dtype)
+            moved.copy_(param.data)
+            param.data = moved
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the heap's freed memory back to the OS (glibc keeps it otherwise: the copies a load
+    dropped would stay resident)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

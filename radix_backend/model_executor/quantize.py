@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from radix_backend.kernels import native, quant
+from radix_backend.kernels import native, quant, weight_arena
 
 from ..config import QUANTIZATION_MODES
 
@@ -58,6 +58,7 @@ def quantize_model(model: nn.Module, mode: str, *, from_gguf: bool, device: torc
     blocker = native_blocker(device, dtype, tp_size)
     report, codes = _decide(model, validate_mode(mode), from_gguf, blocker)
     if report.mode == "none" and blocker is None and native.available():
+        weight_arena.relocate(model)  # the fp32 weights into huge pages: the decode stack reads them every step
         report.decode_stack = model.build_decode_stack()  # the fp32 weights as they are, in one call
     if report.mode != "none":
         report.dense_dtype = quant.dense_dtype_for_large_batches()

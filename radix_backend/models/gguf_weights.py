@@ -8,7 +8,6 @@ copy of a weight matrix is ever made.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 
 import torch
@@ -102,10 +101,7 @@ def release_load_memory(tensors: dict[str, ggml.RawTensor]) -> None:
             mm.madvise(mmap.MADV_DONTNEED)
         except (AttributeError, OSError, ValueError):  # no madvise here: the pages stay cached
             pass
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    weight_arena.trim_heap()
 
 
 def _mapping(array) -> mmap.mmap | None:

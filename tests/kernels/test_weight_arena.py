@@ -40,3 +40,17 @@ def test_empty_takes_from_the_active_arena_only():
     assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
     outside = weight_arena.empty((10,), torch.uint8)
     assert outside.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+
+
+def test_relocate_moves_parameters_keeping_values_and_ties():
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=True))
+    model[1].weight = model[0].weight  # tied, as an LM head with its embedding
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
+    weight_arena.relocate(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]) and p.data_ptr() != pointers[name]
+        assert p.data_ptr() % weight_arena.ALIGN == 0 and isinstance(p, torch.nn.Parameter)
+    assert model[1].weight is model[0].weight
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == 1  # one chunk holds them all
