@@ -107,10 +107,10 @@ def group_codes(t: RawTensor, rows: slice | np.ndarray | None = None, with_codes
     def tensor(a: np.ndarray | None, dtype) -> torch.Tensor | None:
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(n, -1), dtype=dtype))
 
-    first, second, layout, high_bits, offset, k_parts = _group_params(kind, b)
-    sub_first, sub_second, factors = k_parts or (None, None, None)
-    weights = q4.GroupCodes(tensor(_codes(kind, b), np.uint8) if with_codes else None, tensor(first, np.float32),
-                            tensor(second, np.float32), layout, high_bits, offset, k_parts is not None,
+    p = _group_params(kind, b)
+    sub_first, sub_second, factors = p.k_parts or (None, None, None)
+    weights = q4.GroupCodes(tensor(_codes(kind, b), np.uint8) if with_codes else None, tensor(p.first, np.float32),
+                            tensor(p.second, np.float32), p.layout, p.high_bits, p.offset, p.k_parts is not None,
                             tensor(sub_first, np.int8), tensor(sub_second, np.int8), tensor(factors, np.float16))
     if weights.factors is not None:
         weights.factors = weights.factors.view(n, -1, 2)
@@ -145,36 +145,45 @@ def _codes(kind: int, b: np.ndarray) -> np.ndarray:
     return low | (upper.reshape(n, nb, 2, 128) << 4)
 
 
-_Params = tuple[np.ndarray, "np.ndarray | None", int, int, float, "tuple[np.ndarray, np.ndarray, np.ndarray] | None"]
+@dataclass
+class _GroupParams:
+    """`q4.GroupCodes`' fields but the codes, as numpy arrays [n, nb, ...]."""
+
+    first: np.ndarray
+    second: np.ndarray | None
+    layout: int
+    high_bits: int
+    offset: float
+    k_parts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # int8 sub-scales, sub-minimums, fp16 factors
 
 
-def _group_params(kind: int, b: np.ndarray) -> _Params:
-    """(first, second, layout, high bits, offset, K-quant parts) of `q4.GroupCodes` for blocks b."""
+def _group_params(kind: int, b: np.ndarray) -> _GroupParams:
+    """The parameters per group of 32 of low-bit blocks b [n, nb, bytes]."""
     n, nb = b.shape[:2]
     if kind in (Q4_0, Q4_1):
         d = _f16(b[..., 0:2])
         if kind == Q4_0:
-            return d, None, q4.SCALE_OFFSET, 0, 8.0, None
-        return d, _f16(b[..., 2:4]), q4.SCALE_MIN, 0, 0.0, None
+            return _GroupParams(d, None, q4.SCALE_OFFSET, 0, 8.0)
+        return _GroupParams(d, _f16(b[..., 2:4]), q4.SCALE_MIN, 0, 0.0)
     if kind in (Q5_0, Q5_1):
         d = _f16(b[..., 0:2])
         if kind == Q5_0:
-            return d, None, q4.SCALE_OFFSET, 1, 16.0, None
-        return d, _f16(b[..., 2:4]), q4.SCALE_MIN, 1, 0.0, None
+            return _GroupParams(d, None, q4.SCALE_OFFSET, 1, 16.0)
+        return _GroupParams(d, _f16(b[..., 2:4]), q4.SCALE_MIN, 1, 0.0)
     if kind == Q8_0:
-        return _f16(b[..., 0:2]), None, q4.SCALE_OFFSET, 4, 128.0, None
+        return _GroupParams(_f16(b[..., 0:2]), None, q4.SCALE_OFFSET, 4, 128.0)
     if kind in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k_scales(b[..., 4:16])
         scale = d[..., None] * sc  # [n, nb, 8]: exact in fp32, as gguf computes it
         minimum = -(dmin[..., None] * mn)
         factors = np.stack([d, -dmin], axis=-1).astype(np.float16)  # -dmin * m == -(dmin * m) exactly
-        return scale, minimum, q4.SCALE_MIN, int(kind == Q5_K), 0.0, (sc, mn, factors)
+        return _GroupParams(scale, minimum, q4.SCALE_MIN, int(kind == Q5_K), 0.0, (sc, mn, factors))
     scales, d = b[..., 192:208], _f16(b[..., 208:210])  # Q6_K
     sub = np.ascontiguousarray(scales).view(np.int8).reshape(n, nb, 8, 2)
     scale = d[..., None, None] * sub.astype(np.float32)
     factors = np.stack([d, d], axis=-1).astype(np.float16)
-    return scale[..., 0], scale[..., 1], q4.SCALE16_OFFSET, 2, 32.0, (sub[..., 0], sub[..., 1], factors)
+    return _GroupParams(scale[..., 0], scale[..., 1], q4.SCALE16_OFFSET, 2, 32.0, (sub[..., 0], sub[..., 1], factors))
 
 
 def multiplies_exactly(t: RawTensor) -> bool:
@@ -188,8 +197,12 @@ def pack(t: RawTensor, bias: torch.Tensor | None = None) -> q4.PackedQ4:
     """A low-bit tensor in the kernel's layout (rows padded to 16), its codes decoded and packed
     straight from the file's blocks by the native packer (csrc/q4_pack.c): a load never holds a
     tensor's unpacked codes."""
-    params = q4.pad_rows(group_codes(t, with_codes=False))
     data = np.ascontiguousarray(t.data)
+    per_block, nbytes = BLOCK[t.ggml_type]
+    if data.dtype != np.uint8 or data.shape != (t.rows, t.cols // per_block * nbytes):  # the C code trusts it
+        raise ValueError(f"{t.name}: blocks {data.shape} {data.dtype} do not hold {t.rows} x {t.cols} "
+                         f"{type_name(t.ggml_type)} weights")
+    params = q4.pad_rows(group_codes(t, with_codes=False))
 
     def fill(nibbles: torch.Tensor, high: torch.Tensor | None, n: int) -> None:
         if native.library().rb_ggml_pack(t.ggml_type, data.ctypes.data, t.rows, n, t.cols, data.shape[1],

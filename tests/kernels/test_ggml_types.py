@@ -156,3 +156,10 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
             want = q4.q4_matmul(x, packed, activation_bits=bits)  # float sums in another order only
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()),
                                        msg=f"{ggml.type_name(kind)}, {bits}-bit activations")
+
+
+def test_native_packer_refuses_blocks_of_the_wrong_size():
+    t = random_tensor(ggml.Q4_K, 32, 512)
+    short = dataclasses.replace(t, data=t.data[:, :-1])
+    with pytest.raises(ValueError, match="do not hold 32 x 512 Q4_K weights"):
+        ggml.pack(short)
