@@ -187,7 +187,9 @@ def _group_params(kind: int, b: np.ndarray) -> _GroupParams:
 
 
 def multiplies_exactly(t: RawTensor) -> bool:
-    """`q4.multiplies_exactly` read from the file's blocks (a Q8_0 code of -128 is the byte 0x80)."""
+    """Whether this CPU's build computes with the low-bit layout of `t` exactly: every tensor but a
+    Q8_0 one holding a code of -128 (the byte 0x80, valid but never written by llama.cpp) on AVX2
+    without VNNI, whose 8-bit products take the codes (+ 128) as signed bytes."""
     if t.ggml_type != Q8_0 or native.library().rb_q4_smallest_8bit_code() == 0:
         return True
     return not bool(np.any(t.blocks()[..., 2:] == 0x80))

@@ -226,13 +226,6 @@ def chain(parts: list[PackedQ4]) -> PackedQ4:
     return parts[0]
 
 
-def multiplies_exactly(weights: GroupCodes) -> bool:
-    """Whether this CPU's build computes with `weights` exactly: every code but an 8-bit code of 0
-    (a Q8_0 code of -128, which llama.cpp never writes) on AVX2 without VNNI, whose 8-bit products
-    take the codes as signed bytes."""
-    return weights.high_bits != 4 or int(weights.codes.min()) >= native.library().rb_q4_smallest_8bit_code()
-
-
 def q4_matmul(x: torch.Tensor, weight: PackedQ4 | DenseWeight, threads: int = 1, activation_bits: int = 16) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, N] fp32 over the chain, the output rows split over `threads`
     threads; the activations enter as 16-bit (~2e-5 relative error) or 8-bit (~5e-3, half the work)

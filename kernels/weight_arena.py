@@ -6,7 +6,10 @@ more than the packing itself, and two packing threads contended on them), and a 
 walks ~100 thousand small pages per pass over the weights. An arena hands out 64-byte aligned
 slices of 64 MiB chunks, each 2 MiB aligned and advised `MADV_HUGEPAGE` (honoured where the
 kernel's THP mode is `always` or `madvise`; elsewhere the advice is a no-op and the chunk behaves
-as plain memory). A chunk is freed when the last tensor viewing it goes.
+as plain memory). A chunk is freed when the last tensor viewing it goes. The trade where a fresh
+huge page's first touch is slow (a VM whose host takes back free memory): the load pays for it
+once (~0.2-0.6 s for a 0.5B Q4_K_M file on the one measured) and every decode step gains
+(BENCHMARKS.md, "Load, third round").
 
 `active(arena)` makes `empty` take from the arena (the model build does this); outside, `empty` is
 `torch.empty`.

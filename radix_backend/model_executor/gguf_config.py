@@ -1,6 +1,6 @@
 """The model config of a GGUF file, without importing transformers' config classes.
 
-A GGUF load builds the config from the file's metadata (`gguf_file._config`). Importing the
+A GGUF load builds the config from the file's metadata (`gguf_file.open_gguf`). Importing the
 matching transformers class (`LlamaConfig`, `Gemma3TextConfig`, ...) pulls in its validators,
 activations, hub kernels and `torch.distributed.tensor`: about a second of every load, a third of
 it. `GGUFConfig` holds the same values the class would hold for those arguments, in transformers
