@@ -3,9 +3,9 @@
 Why: Mistral, Qwen2 (`use_sliding_window`), Phi-3 and Gemma's local layers let a query see only
 the last `window` keys (HF's sliding-window mask: key j is visible from query i when
 i - window < j <= i), and Gemma 2 soft-caps every score (`cap * tanh(score / cap)`) before the
-mask. Every backend's fast kernels attend the whole causal context; for a layer with either
-mask they hand the batch here (or, on the CPU, to the native kernels for the window alone), so
-the product never runs such a model with full attention. The KV of every token stays in the
+mask. The native CPU kernels and the Triton invariant kernel apply both masks themselves; the
+torch and FlashInfer backends hand a batch with either mask here, so the product never runs
+such a model with full attention. The KV of every token stays in the
 pool (the radix cache may share it), so a cached prefix longer than the window gives the same
 tokens as a cold run: the window is applied when reading, never by dropping keys.
 

@@ -1,5 +1,6 @@
 """Triton attention backend: split-K decode kernel for decode batches, extend kernel otherwise;
-with `batch_invariant`, the one invariant kernel (triton_invariant.py) for both.
+with `batch_invariant`, and for layers with a sliding window or soft-capped scores, the one
+invariant kernel (triton_invariant.py) for both.
 
 Plans once per forward batch (split count and split-K scratch shared by all layers). A decode
 step depends on the host only through the batch size and the split count, so it can be captured
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from .attention_base import PLAIN, AttentionBackend, AttentionMetadata, ScoreMask
-from .masked_attention import masked_attention
 from .triton_decode import decode_attention, decode_workspace, default_num_kv_splits
 from .triton_extend import ExtendConfig, extend_attention
 from .triton_invariant import invariant_attention
@@ -63,11 +63,9 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 mask: ScoreMask = PLAIN) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
-        if mask.changes(meta):  # a sliding window or soft-capped scores: the plain-torch path
-            return masked_attention(q, k_cache, v_cache, meta, scale, mask)
-        if self.batch_invariant:
+        if self.batch_invariant or mask.changes(meta):  # a sliding window or soft-capped scores: that kernel too
             return invariant_attention(q, k_cache, v_cache, meta.qo_indptr, meta.kv_indptr, meta.kv_indices,
-                                       self._plan_for(meta).max_extend_len, scale)
+                                       self._plan_for(meta).max_extend_len, scale, mask)
         plan = self._get_plan(meta, q, k_cache.shape[1])
         if meta.is_decode:
             return decode_attention(q, k_cache, v_cache, meta.kv_indptr, meta.kv_indices, scale,

@@ -61,7 +61,7 @@ def _decode_stage1(Q, K_CACHE, V_CACHE, KV_INDPTR, KV_INDICES, MID_O, MID_LSE,
         k, v_ptrs, kv_mask = cache_tile(K_CACHE, V_CACHE, KV_INDICES, kv_start, offs_n, nmask, kv_head, offs_d, dmask,
                                         stride_kt, stride_kh, stride_vt, stride_vh)
         acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, hmask[:, None] & nmask[None, :], acc, m_i, l_i,
-                                    sm_scale_log2, DOT_DTYPE, DOT_PRECISION)
+                                    sm_scale_log2, 0.0, False, DOT_DTYPE, DOT_PRECISION)
 
     if hi > lo:
         base = b * stride_mb + heads * stride_mh + split * stride_ms

@@ -54,16 +54,31 @@ def dot_config(dtype: torch.dtype, interpreter: bool | None = None) -> DotConfig
 
 
 @triton.jit
-def attend_tile(q, k, v_ptrs, kv_mask, score_mask, acc, m_i, l_i, sm_scale_log2,
-                DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def soft_cap(x, cap):
+    """cap * tanh(x / cap) (Gemma 2's attention logit soft-capping), written as the native kernel
+    does: tanh|y| = (1 - e) / (1 + e) with e = exp(-2|y|) <= 1 (no overflow), the sign put back."""
+    y = x / cap
+    e = tl.exp2(tl.abs(y) * -2.8853900817779268)  # exp(-2|y|): -2 * LOG2E
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -t, t) * cap
+
+
+@triton.jit
+def attend_tile(q, k, v_ptrs, kv_mask, score_mask, acc, m_i, l_i, sm_scale_log2, softcap_log2,
+                HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold one K/V tile into the running (acc, m_i, l_i) of rows q (log2-domain online softmax).
 
     `k` is the loaded key tile; V is loaded here from `v_ptrs` (under `kv_mask`) only after the
-    scores, as a hand-written loop would. Scores outside `score_mask` are -inf; a row that has
-    seen no key yet keeps m_i = -inf and adds nothing (no NaN). Returns (acc, m_i, l_i).
+    scores, as a hand-written loop would. With HAS_SOFTCAP the scaled scores are soft-capped before
+    the mask (`softcap_log2` = cap * LOG2E: capping in the log2 domain is the same function).
+    Scores outside `score_mask` are -inf; a row that has seen no key yet keeps m_i = -inf and adds
+    nothing (no NaN). Returns (acc, m_i, l_i).
     """
     qk = tl.dot(q.to(DOT_DTYPE), tl.trans(k.to(q.dtype).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-    qk = tl.where(score_mask, qk * sm_scale_log2, float("-inf"))
+    qk = qk * sm_scale_log2
+    if HAS_SOFTCAP:
+        qk = soft_cap(qk, softcap_log2)
+    qk = tl.where(score_mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)

@@ -58,7 +58,7 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
         nmask = offs_n < prefix_len
         k, v_ptrs, kv_mask = cache_tile(K_CACHE, V_CACHE, KV_INDICES, kv_start, offs_n, nmask, kv_head, offs_d, dmask,
                                         stride_kct, stride_kch, stride_vct, stride_vch)
-        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, nmask[None, :], acc, m_i, l_i, sm_scale_log2,
+        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, nmask[None, :], acc, m_i, l_i, sm_scale_log2, 0.0, False,
                                     DOT_DTYPE, DOT_PRECISION)
 
     # Stage 2: the new tokens themselves, causal. Keys past this block's last row are never seen;
@@ -72,7 +72,7 @@ def _extend_kernel(Q, K, V, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, 
         k = tl.load(K + krows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         causal = (offs_m[:, None] >= offs_n[None, :]) & nmask[None, :]
         v_ptrs = V + krows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
-        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, causal, acc, m_i, l_i, sm_scale_log2,
+        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, causal, acc, m_i, l_i, sm_scale_log2, 0.0, False,
                                     DOT_DTYPE, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)

@@ -12,8 +12,13 @@ How (the same three rules as SGLang's and vLLM's deterministic modes, in one ker
   of one KV head as its BLOCK_M rows, a decode row (one token) and an extend row alike, and the
   launch configuration depends on the dtype, head size and group only.
 tl.dot computes each output element from its own row and column, so the other rows of a tile do
-not change a row's result. Slower than the split-K decode kernel at small batch and long context
-(one program per request and KV head); `gpu_check` times both.
+not change a row's result.
+A sliding window (Mistral, Gemma's local layers) masks keys before a row's window as it masks
+those past its position, and the tiles wholly before every row's window are skipped: they would
+add exact zeros, and the tiles read stay on the grid of absolute positions. Soft-capped scores
+(Gemma 2) are capped before the mask (`attend_tile`).
+Slower than the split-K decode kernel at small batch and long context (one program per request
+and KV head); `gpu_check` times both.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_base import PLAIN, ScoreMask
 from .triton_dot import LOG2E, attend_tile, cache_tile, dot_config, gqa_group
 from .triton_extend import ExtendConfig
 
@@ -29,8 +35,9 @@ from .triton_extend import ExtendConfig
 @triton.jit
 def _invariant_kernel(Q, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, O, sm_scale_log2,
                       stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
-                      GROUP, HEAD_DIM, TOKENS,
+                      GROUP, HEAD_DIM, TOKENS, WINDOW, softcap_log2,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,14 +66,19 @@ def _invariant_kernel(Q, K_CACHE, V_CACHE, QO_INDPTR, KV_INDPTR, KV_INDICES, O, 
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     last = tl.minimum(seq_len, prefix_len + (block + 1) * TOKENS)  # keys this program's rows see
-    for start in range(0, last, BLOCK_N):
+    first = 0
+    if HAS_WINDOW:  # the tile holding the first row's first visible key
+        first = tl.maximum(prefix_len + block * TOKENS - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(first, last, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         nmask = offs_n < last
         k, v_ptrs, kv_mask = cache_tile(K_CACHE, V_CACHE, KV_INDICES, kv_start, offs_n, nmask, kv_head, offs_d, dmask,
                                         stride_kct, stride_kch, stride_vct, stride_vch)
-        causal = (offs_n[None, :] <= pos[:, None]) & nmask[None, :]
-        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, causal, acc, m_i, l_i, sm_scale_log2,
-                                    DOT_DTYPE, DOT_PRECISION)
+        visible = (offs_n[None, :] <= pos[:, None]) & nmask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - WINDOW)
+        acc, m_i, l_i = attend_tile(q, k, v_ptrs, kv_mask, visible, acc, m_i, l_i, sm_scale_log2, softcap_log2,
+                                    HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -86,10 +98,11 @@ def invariant_config(head_dim: int, group: int, dtype: torch.dtype, on_gpu: bool
 
 def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, max_extend_len: int,
-                        scale: float) -> torch.Tensor:
+                        scale: float, mask: ScoreMask = PLAIN) -> torch.Tensor:
     """q [T, Hq, D] new queries (decode rows are 1-token extends); every key, the new ones
     included, comes from the cache through kv_indices (prefix and new slots of request b at
-    kv_indptr[b]..). Returns [T, Hq, D] in q.dtype."""
+    kv_indptr[b]..); `mask`: a sliding window and/or soft-capped scores. Returns [T, Hq, D] in
+    q.dtype."""
     n_tokens, hq, dim = q.shape
     hkv = k_cache.shape[1]
     group = gqa_group(hq, hkv)
@@ -106,8 +119,9 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _invariant_kernel[grid](
         q, k_cache, v_cache, qo_indptr, kv_indptr, kv_indices, out, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), group, dim, tokens,
+        out.stride(0), out.stride(1), group, dim, tokens, mask.window or 0, (mask.softcap or 0.0) * LOG2E,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(dim),
+        HAS_WINDOW=mask.window is not None, HAS_SOFTCAP=mask.softcap is not None,
         DOT_DTYPE=dot.operand_dtype, DOT_PRECISION=dot.precision, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out

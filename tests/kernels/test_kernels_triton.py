@@ -107,16 +107,17 @@ def test_kernels_compile_for_hopper(dtype: str, dim: int) -> None:
     for kernel in (dec1, ext):
         assert kernel.metadata.shared <= 227 * 1024, "exceeds Hopper shared memory"
     inv = triton_invariant.invariant_config(dim, 4, torch_dtype, on_gpu=True)
-    inv_kernel = _compile_for(triton_invariant._invariant_kernel,
-                              dict(Q=p, K_CACHE=p, V_CACHE=p, QO_INDPTR=ptr_i64, KV_INDPTR=ptr_i64,
-                                   KV_INDICES=ptr_i64, O=p, sm_scale_log2="fp32"),
-                              dict(BLOCK_M=inv.block_m, BLOCK_N=inv.block_n, BLOCK_D=dim, **dots), 90,
-                              num_warps=inv.num_warps, num_stages=inv.num_stages)
+    inv_kernels = [_compile_for(triton_invariant._invariant_kernel,
+                                dict(Q=p, K_CACHE=p, V_CACHE=p, QO_INDPTR=ptr_i64, KV_INDPTR=ptr_i64,
+                                     KV_INDICES=ptr_i64, O=p, sm_scale_log2="fp32", softcap_log2="fp32"),
+                                dict(BLOCK_M=inv.block_m, BLOCK_N=inv.block_n, BLOCK_D=dim, HAS_WINDOW=masked,
+                                     HAS_SOFTCAP=masked, **dots), 90,
+                                num_warps=inv.num_warps, num_stages=inv.num_stages) for masked in (False, True)]
     mm = triton_matmul.matmul_config(torch_dtype, on_gpu=True)
     mm_kernel = _compile_for(triton_matmul._matmul_kernel, dict(X=p, W=p, BIAS=p, Y=p),
                              dict(HAS_BIAS=True, BLOCK_M=mm.block_m, BLOCK_N=mm.block_n, BLOCK_K=mm.block_k,
                                   **dots), 90, num_warps=mm.num_warps, num_stages=mm.num_stages)
-    for kernel in (inv_kernel, mm_kernel):
+    for kernel in (*inv_kernels, mm_kernel):
         assert kernel.metadata.shared <= 227 * 1024, "exceeds Hopper shared memory"
     _compile_for(triton_ops._rms_norm_kernel, dict(X=p, R=p, W=p, Y=p, RES_OUT=p, eps="fp32"),
                  dict(HAS_RESIDUAL=True, BLOCK=1024), 90, num_warps=4)
@@ -151,14 +152,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
-def run_both(backend, prefix_lens, extend_lens, hq, hkv, dim, dtype, seed=0):
+def run_both(backend, prefix_lens, extend_lens, hq, hkv, dim, dtype, seed=0, mask=None):
+    """(backend's output, the torch backend's) on one random batch; `mask` (a ScoreMask) for both."""
+    from radix_backend.kernels.attention_base import PLAIN
     from radix_backend.kernels.torch_backend import TorchAttentionBackend
+    mask = mask or PLAIN
     q, k, v, kc, vc, meta = make_batch(prefix_lens, extend_lens, hq, hkv, dim, dtype, seed)
     scale = dim ** -0.5
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    ref = TorchAttentionBackend().forward(q, k, v, kc_ref, vc_ref, meta, scale)
+    ref = TorchAttentionBackend().forward(q, k, v, kc_ref, vc_ref, meta, scale, mask)
     backend.begin_forward(meta)
-    out = backend.forward(q, k, v, kc, vc, meta, scale)
+    out = backend.forward(q, k, v, kc, vc, meta, scale, mask)
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), "new K/V must land at out_slots"
     return out, ref
 
@@ -215,6 +219,28 @@ def test_invariant_attention_matches_torch(dtype, hq, hkv) -> None:
         assert rel_err(out, ref) < tol(dtype)
 
 
+MASKS = {  # (window, softcap): windows under, at and past the interpreter's 16-key tiles
+    "window1": (1, None), "window16": (16, None), "window17": (17, None), "window40": (40, None),
+    "softcap": (None, 5.0), "window20-softcap": (20, 3.0), "softcap-saturated": (None, 0.5)}
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype,mask_name,batch_invariant",
+                         [(dtype, name, True) for dtype in (torch.float32, torch.bfloat16) for name in sorted(MASKS)]
+                         + [(torch.float16, "window20-softcap", True), (torch.float32, "window20-softcap", False)])
+def test_masked_attention_matches_torch(dtype, mask_name, batch_invariant) -> None:
+    """A sliding window and soft-capped scores in the Triton kernel (the one for masked layers,
+    batch-invariant or not) against the torch path's masks, for decode rows and extends over
+    cached prefixes longer than the window."""
+    from radix_backend.kernels.attention_base import ScoreMask
+    from radix_backend.kernels.triton_backend import TritonAttentionBackend
+    mask = ScoreMask(*MASKS[mask_name])
+    backend = TritonAttentionBackend(batch_invariant=batch_invariant)
+    for prefix, extend in (([40, 7, 130, 64], [1, 1, 1, 1]), ([100, 0, 5, 33], [3, 70, 17, 1])):
+        out, ref = run_both(backend, prefix, extend, 6, 2, 64, dtype, seed=len(mask_name), mask=mask)
+        assert rel_err(out, ref) < tol(dtype), (prefix, extend)
+
+
 def _target_request(hq: int, hkv: int, dim: int, tokens: int = 75):
     g = torch.Generator().manual_seed(hq * 100 + hkv)
     return (torch.randn(tokens, hq, dim, generator=g), torch.randn(tokens, hkv, dim, generator=g),
@@ -222,11 +248,12 @@ def _target_request(hq: int, hkv: int, dim: int, tokens: int = 75):
 
 
 def _invariant_rows(target, span: tuple[int, int], others: list[tuple[int, int]], position: int,
-                    dtype: torch.dtype) -> torch.Tensor:
+                    dtype: torch.dtype, mask=None) -> torch.Tensor:
     """The invariant kernel's rows for the target request's tokens span[0] .. span[0]+span[1]-1
     (the ones before them cached), inside a batch of `others` (prefix, extend) with the target at
-    index `position`; the target's K/V sit at slots 1..T, the others' after, random."""
-    from radix_backend.kernels.attention_base import AttentionMetadata
+    index `position`; the target's K/V sit at slots 1..T, the others' after, random. `mask`: a
+    ScoreMask for every row."""
+    from radix_backend.kernels.attention_base import PLAIN, AttentionMetadata
     from radix_backend.kernels.triton_backend import TritonAttentionBackend
     q_all, k_all, v_all = target
     n_tok, hq, dim = q_all.shape
@@ -255,24 +282,29 @@ def _invariant_rows(target, span: tuple[int, int], others: list[tuple[int, int]]
     backend.begin_forward(meta)
     to = dict(dtype=dtype, device=DEVICE)
     out = backend.forward(torch.cat(qs).to(**to), torch.cat(ks).to(**to), torch.cat(vs).to(**to),
-                          k_cache.to(**to), v_cache.to(**to), meta, dim ** -0.5)
+                          k_cache.to(**to), v_cache.to(**to), meta, dim ** -0.5, mask or PLAIN)
     start = sum(r[1] for r in reqs[:position])
     return out[start:start + span[1]].cpu()
 
 
 @kernel_test
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("hq,hkv", [(6, 2), (9, 3), (8, 8)])
-def test_invariant_attention_rows_do_not_depend_on_batch_chunking_or_cache(dtype, hq, hkv) -> None:
+@pytest.mark.parametrize("dtype,hq,hkv,mask",
+                         [(dtype, hq, hkv, None) for dtype in (torch.float32, torch.bfloat16)
+                          for hq, hkv in ((6, 2), (9, 3), (8, 8))]
+                         + [(torch.float32, 6, 2, (20, None)), (torch.float32, 9, 3, (33, 4.0))])
+def test_invariant_attention_rows_do_not_depend_on_batch_chunking_or_cache(dtype, hq, hkv, mask) -> None:
     """A row's bits are the same computed in a whole prefill, in a later chunk over a cached
-    prefix, as a decode row, alone or among other requests of any lengths and at any index."""
+    prefix, as a decode row, alone or among other requests of any lengths and at any index; with
+    a sliding window (whose skipped tiles differ between those cases) and soft-capped scores too."""
+    from radix_backend.kernels.attention_base import ScoreMask
+    mask = ScoreMask(*mask) if mask else None
     target = _target_request(hq, hkv, 64)
-    whole = _invariant_rows(target, (0, 75), [], 0, dtype)
+    whole = _invariant_rows(target, (0, 75), [], 0, dtype, mask)
     cases = [((40, 35), [], 0), ((40, 35), [(0, 20), (13, 1), (50, 7)], 1), ((74, 1), [], 0),
              ((74, 1), [(30, 1), (5, 1)], 2), ((60, 15), [(100, 33), (0, 64)], 1), ((0, 75), [(10, 5)], 1),
              ((17, 1), [(3, 40)], 0)]
     for span, others, position in cases:
-        rows = _invariant_rows(target, span, others, position, dtype)
+        rows = _invariant_rows(target, span, others, position, dtype, mask)
         assert torch.equal(rows, whole[span[0]:span[0] + span[1]]), (span, others, position)
 
 
@@ -289,6 +321,36 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(dtype) -> None:
     for lo, hi in [(0, 1), (5, 6), (0, 17), (33, 97), (99, 100)]:
         assert torch.equal(invariant_linear(x[lo:hi], w, b), full[lo:hi]), (lo, hi)
     assert torch.equal(invariant_linear(x.view(4, 25, 72), w).view(100, 50), invariant_linear(x, w))
+
+
+@kernel_test
+@pytest.mark.parametrize("fixture", ["tiny_gemma2_dir", "tiny_mistral_window_dir"])
+def test_engine_with_triton_attention_serves_windowed_and_soft_capped_models_like_hf(fixture, request) -> None:
+    """Gemma 2 (local layers with a 16-key window, soft-capped scores) and Mistral (a 64-key window)
+    through the engine with Triton attention: HF transformers' greedy tokens and log-probabilities
+    on prompts longer than the window, and the same tokens again from the cache."""
+    from transformers import AutoModelForCausalLM
+
+    from radix_backend import Engine, SamplingParams
+    model_dir = request.getfixturevalue(fixture)
+    prompts = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. " * 8]
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with Engine(str(model_dir), device=DEVICE, dtype="float32", attention_backend="triton",
+                kv_cache_tokens=1024) as engine:
+        outs = engine.generate(prompts, params)
+        assert len(engine.encode(prompts[-1])) > 64
+        for prompt, out in zip(prompts, outs):
+            ids = engine.encode(prompt)
+            with torch.no_grad():
+                full = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+                logprobs = torch.log_softmax(hf(full).logits[0, len(ids) - 1:-1].float(), -1)
+            assert out.token_ids == full[0, len(ids):].tolist(), prompt
+            got = torch.tensor([lp.logprob for lp in out.logprobs])
+            torch.testing.assert_close(got, logprobs[range(6), out.token_ids], atol=1e-4, rtol=1e-4)
+        again = engine.generate(prompts, params)
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+        assert all(o.meta.cached_tokens > 0 for o in again)
 
 
 @kernel_test
