@@ -33,9 +33,12 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from radix_backend.kernels.attention_base import ScoreMask
 
 # Targets: Triton time / FlashInfer time per kernel call.
 TARGETS = {"decode": 1.3, "extend": 1.5}
@@ -209,17 +212,27 @@ def available_kernel_backends(device: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- 1. correctness
 
+def masked_cases(quick: bool = False) -> list[ScoreMask]:
+    """Sliding windows (under and past a tile, shorter than the shapes' contexts) and Gemma 2's
+    soft-capped scores, which the Triton backends run in their own kernel."""
+    from radix_backend.kernels.attention_base import ScoreMask
+    window = 24 if quick else 256
+    return [ScoreMask(window=window), ScoreMask(window=window + 1, softcap=30.0), ScoreMask(softcap=2.0)]
+
+
 def check_attention(report: Report, device: str, backends: list[str], quick: bool = False) -> None:
+    from radix_backend.kernels.attention_base import PLAIN
     ref_backend = make_backend("torch", device)
     cascades = cascade_cases(quick)
-    cases = [(s, 0) for s in correctness_shapes(quick)] + cascades
+    cases = [(s, 0, PLAIN) for s in correctness_shapes(quick)] + [(s, n, PLAIN) for s, n in cascades]
+    masked = [(s, 0, mask) for s in correctness_shapes(quick) for mask in masked_cases(quick)]
     min_prefix = min(shared for _, shared in cascades) // 2
     for name in backends:
         if name == "torch":
             continue
         dtypes = [torch.bfloat16] if name == "flashinfer" else [torch.float32, torch.bfloat16]
         for dtype in dtypes:
-            for i, (shape, shared) in enumerate(cases):
+            for i, (shape, shared, mask) in enumerate(cases + (masked if name.startswith("triton") else [])):
                 kw = {"cascade_min_batch": 4, "cascade_min_prefix": min_prefix} if name == "flashinfer" else {}
                 backend = make_backend(name, device, **kw)
                 q, k, v, kc, vc, meta = make_batch(shape, dtype, device, seed=i, shared_prefix=shared)
@@ -228,13 +241,13 @@ def check_attention(report: Report, device: str, backends: list[str], quick: boo
                 # The value reference is the fp32 product of the same (possibly bf16) inputs: a bf16
                 # torch reference rounds its own softmax and sits ~2e-2 off on 600+ token contexts.
                 ref = ref_backend.forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta,
-                                          shape.head_dim ** -0.5)
+                                          shape.head_dim ** -0.5, mask)
                 backend.begin_forward(meta)
-                out = backend.forward(q, k, v, kc, vc, meta, shape.head_dim ** -0.5)
+                out = backend.forward(q, k, v, kc, vc, meta, shape.head_dim ** -0.5, mask)
                 err = rel_err(out, ref)
                 plan = getattr(getattr(backend, "_plan", None), "kind", "")
-                report.correctness.append(dict(check=f"{name} {shape.name}" + (f" [{plan}]" if plan else ""),
-                                               dtype=str(dtype).removeprefix("torch."), rel_err=err,
+                label = f"{name} {shape.name}" + (f" [{plan}]" if plan else "") + ("" if mask.plain else f" {mask}")
+                report.correctness.append(dict(check=label, dtype=str(dtype).removeprefix("torch."), rel_err=err,
                                                ok=bool(err < tolerance(dtype) and torch.equal(kc, kc_ref))))
 
 

@@ -476,13 +476,16 @@ def test_default_num_kv_splits_bounds() -> None:
 
 @kernel_test
 def test_gpu_check_correctness_section_runs_on_these_kernels() -> None:
-    """gpu_check's correctness section (quick shapes) on the real Triton kernels, fp32 and bf16."""
+    """gpu_check's correctness section (quick shapes, windowed and soft-capped layers too) on the
+    real Triton kernels, fp32 and bf16."""
     from radix_backend.bench import gpu_check as gc
     report = gc.Report()
     gc.check_attention(report, DEVICE, ["torch", "triton"], quick=True)
     gc.check_ops(report, DEVICE, quick=True)
-    cases = len(gc.correctness_shapes(quick=True)) + len(gc.cascade_cases(quick=True))
+    shapes = len(gc.correctness_shapes(quick=True))
+    cases = shapes * (1 + len(gc.masked_cases(quick=True))) + len(gc.cascade_cases(quick=True))
     assert len(report.correctness) == 2 * cases + 2 * 4
+    assert sum("ScoreMask(" in c["check"] for c in report.correctness) == 2 * len(gc.masked_cases(quick=True)) * shapes
     assert all(c["ok"] for c in report.correctness), [c for c in report.correctness if not c["ok"]]
     assert {c["dtype"] for c in report.correctness} == {"float32", "bfloat16"}
 
