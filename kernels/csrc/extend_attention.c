@@ -476,6 +476,37 @@ static void load_block(const extend_job *a, const decode_scratch *t, const int64
     }
 }
 
+/* The online softmax of `heads` query heads (state at mg0..) over a block's n scores s[g][j]
+   (keys as lanes; lanes n.. of the last of the nv vectors repeat key n - 1): the new max, the
+   rescale factor, the probabilities in place, each head's sum taken key by key in order (as
+   `attend_tile` sums a row's lane) with the heads' chains interleaved, the output rescaled. The
+   max is taken on vectors: a maximum does not depend on the order it is taken in. */
+static inline __attribute__((always_inline)) void block_softmax(const extend_job *a, const decode_scratch *t,
+                                                                int64_t mg0, float *s, float *o, int64_t n,
+                                                                int64_t nv, const int heads) {
+    const int64_t D = a->dim;
+    float mx[DECODE_HEADS], corr[DECODE_HEADS], sum[DECODE_HEADS];
+    for (int g = 0; g < heads; g++) {
+        vec *sv = (vec *)(s + g * BLOCK_KEYS);
+        for (int64_t u = 0; u < nv && a->softcap > 0; u++) sv[u] = softcap_vec(sv[u], a->softcap);
+        const float old = t->max[mg0 + g];
+        vec m = (vec){0} + old;
+        for (int64_t u = 0; u < nv; u++) m = select_vec(sv[u] > m, sv[u], m);
+        mx[g] = old;
+        for (int i = 0; i < VEC; i++) mx[g] = m[i] > mx[g] ? m[i] : mx[g];
+        corr[g] = old == -INFINITY ? 0.f : exp_one(old - mx[g]);
+        t->max[mg0 + g] = mx[g];
+        sum[g] = t->sum[mg0 + g] * corr[g];
+        for (int64_t u = 0; u < nv; u++) sv[u] = exp_vec(sv[u] - mx[g]);
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int g = 0; g < heads; g++) sum[g] += s[g * BLOCK_KEYS + j];
+    for (int g = 0; g < heads; g++) {
+        t->sum[mg0 + g] = sum[g];
+        for (int64_t d = 0; d < D; d++) o[g * D + d] *= corr[g];
+    }
+}
+
 /* Member m's G query heads over the loaded block j0 (n keys; its values read through `slots`). One
    compiled body for every caller, never given a constant n (`opaque`): a copy specialised for n ==
    BLOCK_KEYS fused other multiplies and adds (the rescaled sum) and changed bits. */
@@ -490,21 +521,10 @@ static __attribute__((noinline)) void member_block(const extend_job *a, const de
             DECODE_SWITCH(nv - u0, G - g0, SCORES)
 #undef SCORES
         }
-    for (int64_t g = 0; g < G; g++) { /* the online softmax, one head at a time */
-        const int64_t mg = m * G + g;
-        vec *s = (vec *)(t->s + g * BLOCK_KEYS);
-        for (int64_t u = 0; u < nv && a->softcap > 0; u++) s[u] = softcap_vec(s[u], a->softcap);
-        float *sg = t->s + g * BLOCK_KEYS, *og = o + g * D;
-        const float old = t->max[mg];
-        float mx = old;
-        for (int64_t j = 0; j < n; j++) mx = sg[j] > mx ? sg[j] : mx;
-        const float corr = old == -INFINITY ? 0.f : exp_one(old - mx);
-        t->max[mg] = mx;
-        float sum = t->sum[mg] * corr;
-        for (int64_t u = 0; u < nv; u++) s[u] = exp_vec(s[u] - mx);
-        for (int64_t j = 0; j < n; j++) sum += sg[j];
-        t->sum[mg] = sum;
-        for (int64_t d = 0; d < D; d++) og[d] *= corr;
+    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS) {
+#define SOFTMAX(unused, heads) block_softmax(a, t, m * G + g0, t->s + g0 * BLOCK_KEYS, o + g0 * D, n, nv, heads);
+        HEADS_SWITCH(G - g0, SOFTMAX, 0)
+#undef SOFTMAX
     }
     for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
         for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
