@@ -9,6 +9,8 @@ first 1024 tokens) unless the vocabulary is SmolLM2's own.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,23 +113,37 @@ class ModelSpec:
     longrope: tuple[np.ndarray, np.ndarray] | None = None  # phi3 (long, short) factors
 
 
-def _copy_tokenizer(writer, vocab: int) -> None:
-    """The embedded SmolLM2 tokenizer (cut to its first `vocab` tokens) with its chat template."""
+@functools.cache
+def _embedded_tokenizer_fields() -> dict[str, tuple[object, list]]:
+    """The embedded SmolLM2's tokenizer.* fields (contents, types), read once per test run: the
+    gguf reader parses a 49k-token vocabulary field by field, seconds per file."""
     import gguf
 
     from radix_backend.model_executor.loader import embedded_gguf_path
 
     reader = gguf.GGUFReader(str(embedded_gguf_path()))
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()[:vocab]
+    return {key: (f.contents(), list(f.types)) for key, f in reader.fields.items() if key.startswith("tokenizer.")}
+
+
+@functools.cache
+def _tokenizer_subset(vocab: int) -> dict[str, object]:
+    """The vocabulary fields cut to the first `vocab` tokens (merges of kept tokens only)."""
+    fields = _embedded_tokenizer_fields()
+    all_tokens = fields["tokenizer.ggml.tokens"][0]
+    tokens = all_tokens[:vocab]
     kept = set(tokens)
-    merges = reader.fields["tokenizer.ggml.merges"].contents()
-    subsets = {"tokenizer.ggml.tokens": tokens,
-               "tokenizer.ggml.token_type": reader.fields["tokenizer.ggml.token_type"].contents()[:vocab],
-               "tokenizer.ggml.merges": merges if vocab >= len(reader.fields["tokenizer.ggml.tokens"].contents()) else
-               [m for m in merges if m.replace(" ", "", 1) in kept and set(m.split(" ", 1)) <= kept]}
-    for key, f in reader.fields.items():
-        if key.startswith("tokenizer."):
-            writer.add_key_value(key, subsets.get(key, f.contents()), f.types[0], f.types[1] if len(f.types) > 1 else None)
+    merges = fields["tokenizer.ggml.merges"][0]
+    return {"tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": fields["tokenizer.ggml.token_type"][0][:vocab],
+            "tokenizer.ggml.merges": merges if vocab >= len(all_tokens) else
+            [m for m in merges if m.replace(" ", "", 1) in kept and set(m.split(" ", 1)) <= kept]}
+
+
+def _copy_tokenizer(writer, vocab: int) -> None:
+    """The embedded SmolLM2 tokenizer (cut to its first `vocab` tokens) with its chat template."""
+    subsets = _tokenizer_subset(vocab)
+    for key, (contents, types) in _embedded_tokenizer_fields().items():
+        writer.add_key_value(key, subsets.get(key, contents), types[0], types[1] if len(types) > 1 else None)
 
 
 def write_model(path: Path, spec: ModelSpec, seed: int = 0) -> Path:
