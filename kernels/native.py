@@ -55,6 +55,7 @@ _SIGNATURES = {
     "rb_silu_and_mul_threads": ([_P, _I, _I, _P, _I], None),
     "rb_silu_and_mul_bf16": ([_P, _I, _I, _P], None),
     "rb_gelu_tanh_and_mul_threads": ([_P, _I, _I, _P, _I], None),
+    "rb_argmax_threads": ([_P, _I, _I, _P, _I], None),
     "rb_sigmoid_gated_add": ([_P, _P, _P, _I, _I], None),
     "rb_q4_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P, _I], None),
@@ -409,6 +410,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     else:
         library().rb_silu_and_mul_threads(x.data_ptr(), x.numel() // (2 * d), d, out.data_ptr(), settings.matmul_threads())
     return out
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """torch.argmax(x, dim=-1).tolist() for fp32 x [rows, n] on the CPU (the first maximum of a
+    row, or its first NaN), the rows split over the kernel threads: greedy sampling's pick."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.shape[1] < 1:
+        raise ValueError(f"argmax_rows needs fp32 CPU x [rows, n >= 1], got {x.dtype} {list(x.shape)} on {x.device}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    library().rb_argmax_threads(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), settings.matmul_threads())
+    return out.tolist()
 
 
 def sigmoid_gated_add(y: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

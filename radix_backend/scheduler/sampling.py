@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import native
 from ..outputs import TokenLogprob
 from ..sampling_params import SamplingParams
 
@@ -123,17 +124,25 @@ def _filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
 
 
+def greedy_picks(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (torch's: the first maximum, or the first NaN), natively for fp32 CPU
+    logits (a batch-32 decode step's argmax took torch ~0.8 ms)."""
+    if logits.dim() == 2 and logits.shape[1] > 0 and native.supports(logits):
+        return native.argmax_rows(logits)
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> list[int]:
     """Pick one token per row; `logits` [B, V] float32 (already constraint-masked), modified in place."""
     if any(r.params.has_penalties for r in rows):
         apply_penalties(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     if len(greedy) == len(rows):  # the common fast path: one argmax over the batch
-        return logits.argmax(dim=-1).tolist()
+        return greedy_picks(logits)
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     out = [0] * len(rows)
     if greedy:
-        picks = logits[greedy].argmax(dim=-1).tolist()
+        picks = greedy_picks(logits[greedy])
         for i, tok in zip(greedy, picks):
             out[i] = tok
     if sampled:

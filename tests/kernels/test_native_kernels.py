@@ -440,3 +440,25 @@ def test_element_wise_kernels_split_over_threads_with_the_same_bits():
     gate, up = gate_up[:, :1536], gate_up[:, 1536:]
     torch.testing.assert_close(split[4], F.silu(gate) * up, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split[5], F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
+
+
+def test_argmax_rows_is_torchs_argmax():
+    """Greedy sampling's native argmax: torch's pick for every row, ties (the first maximum),
+    NaN (the first NaN), all -inf, +inf, widths that leave a partial vector, one column."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(1, 49152), (32, 4099), (7, 17), (3, 1), (5, 16), (2, 33)]:
+        x = torch.randn(*shape, generator=gen)
+        assert native.argmax_rows(x) == x.argmax(-1).tolist(), shape
+    x = torch.randn(8, 100, generator=gen)
+    x[0, 5] = x[0, 70] = x[0, 21] = 50.0  # ties in different lanes: the first
+    x[1, :] = float("-inf")
+    x[2, 60] = x[2, 40] = float("nan")
+    x[3, 99] = float("inf")
+    x[4, :] = 0.0
+    x[5, 0], x[5, 3] = float("inf"), float("nan")
+    x[6, 16] = x[6, 32] = 9.0  # ties in one lane
+    x[7, 98] = x[7, 99] = 9.0  # in the tail past the last whole vector
+    assert native.argmax_rows(x) == x.argmax(-1).tolist()
+    assert native.argmax_rows(x[:, ::2]) == x[:, ::2].argmax(-1).tolist()  # a strided view
+    with pytest.raises(ValueError, match="argmax_rows"):
+        native.argmax_rows(x.double())
