@@ -10,7 +10,6 @@ first 1024 tokens) unless the vocabulary is SmolLM2's own.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 from pathlib import Path
 

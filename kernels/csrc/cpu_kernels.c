@@ -259,32 +259,28 @@ void rb_sigmoid_gated_add(float *y, const float *gate, const float *x, int64_t r
     }
 }
 
+/* Value i of a row into lane k's running state: its first maximum (strictly greater replaces) and
+   its first NaN (`nan_at` starts at the row length: none). */
+static inline void argmax_take(float v, int32_t i, float *lane, int32_t *at, int32_t *nan_at) {
+    *at = v > *lane ? i : *at;
+    *lane = v > *lane ? v : *lane;
+    *nan_at = v != v && i < *nan_at ? i : *nan_at;
+}
+
 /* torch.argmax's index of each row: the first maximum, or the first NaN where the row has one.
    Why: greedy sampling's argmax over a batch's logits (32 x 49k floats) took torch ~0.8 ms a
-   decode step; here the max is taken on vectors (a maximum does not depend on the order) and a
-   second pass finds its first position in the cached row. */
+   decode step. One pass: 16 lanes each keep their first maximum and first NaN (lane k sees
+   values k, k + 16, ...), then the lanes are merged, the lower index winning a tie. */
 static void rb_argmax(const float *x, int64_t rows, int64_t dim, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * dim;
         float lane[16];
-        int32_t at[16], nan_at[16]; /* per lane: its first maximum, its first NaN (dim: none) */
+        int32_t at[16], nan_at[16];
         for (int k = 0; k < 16; k++) lane[k] = -INFINITY, at[k] = k < dim ? k : 0, nan_at[k] = (int32_t)dim;
         int64_t i = 0;
         for (; i + 16 <= dim; i += 16)
-            for (int k = 0; k < 16; k++) {
-                const float v = row[i + k];
-                const int32_t idx = (int32_t)(i + k);
-                at[k] = v > lane[k] ? idx : at[k];
-                lane[k] = v > lane[k] ? v : lane[k];
-                nan_at[k] = v != v && idx < nan_at[k] ? idx : nan_at[k];
-            }
-        for (; i < dim; i++) {
-            const int k = (int)(i % 16);
-            const float v = row[i];
-            at[k] = v > lane[k] ? (int32_t)i : at[k];
-            lane[k] = v > lane[k] ? v : lane[k];
-            nan_at[k] = v != v && i < nan_at[k] ? (int32_t)i : nan_at[k];
-        }
+            for (int k = 0; k < 16; k++) argmax_take(row[i + k], (int32_t)(i + k), &lane[k], &at[k], &nan_at[k]);
+        for (; i < dim; i++) argmax_take(row[i], (int32_t)i, &lane[i % 16], &at[i % 16], &nan_at[i % 16]);
         int32_t best_at = at[0], first_nan = nan_at[0];
         float best = lane[0];
         for (int k = 1; k < 16; k++) {
