@@ -37,7 +37,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("cos_sin", ctypes.c_void_p), ("rot", ctypes.c_int64),
-                ("out_scale", ctypes.c_float)]
+                ("out_scale", ctypes.c_float), ("attention_bf16", ctypes.c_int64)]
 
 
 @dataclass
@@ -138,18 +138,20 @@ class DecodeStack:
     def run(self, embeddings: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
             kv_indices: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
             sharing: native.KeySharing | None = None, threads: int = 1, activation_bits: int = 16,
-            invariant: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            invariant: bool = True, attention_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per request (token t of request t): (last MLP output, residual stream), both
         [T, hidden], whose sum the model's final norm takes; the linears use `threads` threads and
         take their inputs as `activation_bits` integers (see `q4_matmul`); `invariant`: attention gives
         each row the extend kernel's bits (`native.decode_attention`), reading the keys of `sharing`'s
-        chunks once per chunk. `bind` must have succeeded."""
+        chunks once per chunk; `attention_bf16` (with `invariant`): its products in bf16 pairs.
+        `bind` must have succeeded."""
         native.check_activation_bits(activation_bits)
         residual = embeddings.float().contiguous().clone()
         hidden = torch.empty_like(residual)
         args = [t.to(torch.int64).contiguous() for t in (positions, out_slots, kv_indices, starts, lens)]
         if sharing is not None:
             sharing.check(args[-1])
+        self._dims.attention_bf16 = int(attention_bf16 and invariant)
         rc = native.library().rb_decode_stack(self._structs, len(self.layers), ctypes.byref(self._dims),
                                               residual.shape[0], *(a.data_ptr() for a in args),
                                               ctypes.byref(sharing.struct) if sharing is not None else None,

@@ -45,11 +45,12 @@ FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rb_decode_attention": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _P, _I], ctypes.c_int),
-    "rb_decode_attention_invariant": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I], ctypes.c_int),
+    "rb_decode_attention_invariant": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _I],
+                                      ctypes.c_int),
     "rb_extend_attention": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _P, _P, _I],
                             ctypes.c_int),
     "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _F, _P,
-                                    _P, _I], ctypes.c_int),
+                                    _P, _I, _I], ctypes.c_int),
     "rb_add_rms_norm_threads": ([_P, _P, _P, _I, _I, _F, _P, _P, _I], None),
     "rb_rope_threads": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "rb_silu_and_mul_threads": ([_P, _I, _I, _P, _I], None),
@@ -274,7 +275,7 @@ class KeySharing:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      starts: torch.Tensor, lens: torch.Tensor, scale: float, with_lse: bool = False,
                      threads: int = 1, invariant: bool = False, softcap: float | None = None,
-                     sharing: KeySharing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     sharing: KeySharing | None = None, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query row per request over its keys at `kv_indices[starts[b] : starts[b] + lens[b]]`,
     read from the pool in place. q [B, Hq, D]; caches [slots, Hkv, D]; returns (out [B, Hq, D],
     lse [B, Hq] or None). A request with lens[b] < 1 (padding) reads nothing and gets an undefined
@@ -282,10 +283,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     each row gets exactly the bits `extend_attention` gives that row, whatever the batch (about
     1.5x the time of the default kernel, which splits long requests' keys over the threads).
     `softcap` (Gemma 2): scores capped as softcap * tanh(s / softcap); the invariant kernel runs it.
-    `sharing` (invariant kernel): chunks of requests that begin with the same slots, read once."""
+    `sharing` (invariant kernel): chunks of requests that begin with the same slots, read once.
+    `bf16` (invariant kernel, head sizes that are multiples of 32): the extend kernel's bf16 products."""
     hq, hkv = _check_attention(q, k_cache, v_cache)
     batch, _, dim = q.shape
     check_softcap(softcap, dim)
+    _check_bf16(bf16, dim)
     kv_indices = checked_indices("kv_indices", kv_indices)
     starts, lens = checked_indices("starts", starts, batch), checked_indices("lens", lens, batch)
     check_ranges("starts/lens", starts, lens, kv_indices.numel())
@@ -300,7 +303,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             sharing.check(lens)
         shared = ctypes.byref(sharing.struct) if sharing is not None else None
         rc = library().rb_decode_attention_invariant(*args, softcap or 0.0, shared, out.data_ptr(), _ptr(lse),
-                                                     threads)
+                                                     threads, int(bf16))
     else:
         rc = library().rb_decode_attention(*args, out.data_ptr(), _ptr(lse), threads)
     if rc != 0:
@@ -320,22 +323,35 @@ def extend_attention_dim_ok(dim: int) -> bool:
     return dim % 16 == 0
 
 
+def bf16_attention_dim_ok(dim: int) -> bool:
+    """The kernels' bf16 products take head sizes that are multiples of 32 (64, 96, 128, 256)."""
+    return dim % 32 == 0
+
+
+def _check_bf16(bf16: bool, dim: int) -> None:
+    if bf16 and not bf16_attention_dim_ok(dim):
+        raise ValueError(f"bf16 attention products need a head size that is a multiple of 32, got {dim}")
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      q_starts: torch.Tensor, q_lens: torch.Tensor, kv_starts: torch.Tensor, kv_lens: torch.Tensor,
                      scale: float, causal: bool = True, with_lse: bool = False,
-                     threads: int = 1, window: int | None = None,
-                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     threads: int = 1, window: int | None = None, softcap: float | None = None,
+                     bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Many query rows per request over its keys, read from the pool in place. Request b owns q rows
     [q_starts[b], + q_lens[b]) and keys at `kv_indices[kv_starts[b] : + kv_lens[b]]`; causal: its
     new token i sees its first kv_lens[b] - q_lens[b] + i + 1 keys (with a sliding `window`, only
-    the last `window` of those); `softcap` (Gemma 2) caps every score as softcap * tanh(s / softcap).
-    q [T, Hq, D]; caches [slots, Hkv, D]; int64 index tensors; returns (out [T, Hq, D], lse [T, Hq]
-    or None)."""
+    the last `window` of those); `softcap` (Gemma 2) caps every score as softcap * tanh(s / softcap);
+    `bf16`: Q, K, V and the probabilities rounded to bf16 and multiplied in pairs with fp32 sums
+    (vdpbf16ps where the CPU has it; the same bits on every build with fused multiply-adds; head
+    sizes that are multiples of 32). q [T, Hq, D]; caches [slots, Hkv, D]; int64 index tensors;
+    returns (out [T, Hq, D], lse [T, Hq] or None)."""
     if window is not None and (not causal or window < 1):
         raise ValueError(f"a sliding window needs causal attention and window >= 1, got window={window!r}")
     hq, hkv = _check_attention(q, k_cache, v_cache)
     tokens, _, dim = q.shape
     check_softcap(softcap, dim)
+    _check_bf16(bf16, dim)
     batch = q_starts.numel()
     kv_indices = checked_indices("kv_indices", kv_indices)
     q_starts, q_lens, kv_starts, kv_lens = (checked_indices(name, t, batch) for name, t in (
@@ -351,7 +367,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rc = library().rb_extend_attention_window(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), q_starts.data_ptr(),
         q_lens.data_ptr(), kv_starts.data_ptr(), kv_lens.data_ptr(), len(q_lens), hkv, hq // hkv, dim, scale,
-        int(causal), window or 0, softcap or 0.0, out.data_ptr(), _ptr(lse), threads)
+        int(causal), window or 0, softcap or 0.0, out.data_ptr(), _ptr(lse), threads, int(bf16))
     if rc == -2:
         raise ValueError(f"extend attention needs a head size that is a multiple of 16, got {dim}")
     if rc != 0:

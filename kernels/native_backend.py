@@ -99,11 +99,12 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
         if plan.extend:
             out, _ = native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1],
                                              meta.extend_lens, meta.kv_indptr[:-1], meta.seq_lens, scale,
-                                             causal=True, threads=torch.get_num_threads())
+                                             causal=True, threads=torch.get_num_threads(), bf16=_bf16(q))
             return out
         out, lse = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, plan.starts, plan.lens, scale,
                                            with_lse=bool(plan.groups), threads=plan.threads,
-                                           invariant=settings.current().batch_invariant, sharing=plan.sharing)
+                                           invariant=settings.current().batch_invariant, sharing=plan.sharing,
+                                           bf16=_bf16(q))
         if not plan.groups:
             return out
         tokens, hq, dim = q.shape
@@ -127,13 +128,13 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
             out, _ = native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1],
                                              meta.extend_lens, meta.kv_indptr[:-1], meta.seq_lens, scale,
                                              causal=True, threads=torch.get_num_threads(), window=window,
-                                             softcap=mask.softcap)
+                                             softcap=mask.softcap, bf16=_bf16(q))
             return out
         starts, lens = self._window_slots(meta, window or UNBOUNDED_WINDOW)
         threads = torch.get_num_threads() if int(lens.sum()) >= NATIVE_THREADED_KEYS else 1
         out, _ = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, starts, lens, scale, threads=threads,
                                          invariant=settings.current().batch_invariant,
-                                         softcap=mask.softcap)  # the decode stack's kernel
+                                         softcap=mask.softcap, bf16=_bf16(q))  # the decode stack's kernel
         return out
 
     def _window_slots(self, meta: AttentionMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,5 +160,11 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
         zero, count, length = torch.zeros(1, dtype=torch.int64), torch.tensor([r]), torch.tensor([group.length])
         out_p, lse_p = native.extend_attention(qr.reshape(r, hkv * g, dim), k_cache, v_cache, group.slots, zero,
                                                count, zero, length, scale, causal=False, with_lse=True,
-                                               threads=torch.get_num_threads())
+                                               threads=torch.get_num_threads(), bf16=_bf16(qr))
         return out_p.view(r, hkv, g, dim), lse_p.view(r, hkv, g, 1)
+
+
+def _bf16(q: torch.Tensor) -> bool:
+    """Whether this engine's attention products are bf16 pairs (the kernel settings; head sizes
+    that are multiples of 32)."""
+    return settings.current().attention_bf16 and native.bf16_attention_dim_ok(q.shape[-1])

@@ -25,6 +25,8 @@ class KernelSettings:
     # every row's arithmetic fixed by the row itself (no split or format chosen by the batch): decode
     # rows take the extend kernel's sums, fp32 linears our fixed-order kernel, no shared-prefix pass
     batch_invariant: bool = True
+    # the native attention kernels' products in bf16 pairs (head sizes that are multiples of 32), else fp32
+    attention_bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.activation_bits not in ACTIVATION_BITS:

@@ -26,6 +26,7 @@ TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
 DTYPE_NAMES = ("auto", *TORCH_DTYPES)
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
 ACTIVATION_BITS = (8, 16)
+ATTENTION_DTYPES = ("auto", "fp32", "bf16")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")  # the order of waiting requests (see scheduler/admission.py)
 
 
@@ -67,6 +68,10 @@ class EngineConfig:
     triton_ops: bool = _knob(True, "Triton layer ops for CUDA tensors (off: torch ops); process-wide")
     activation_bits: int = _knob(8, "activation integers of the native low-bit linears (16 keeps a GGUF model's "
                                  "greedy tokens equal to its fp32 reference's, at 1.2-1.5x the time)")
+    attention_dtype: str = _knob(
+        "auto", "products of the native CPU attention kernels: fp32, or bf16 pairs (the same bits on every CPU, twice "
+        "as fast where the CPU has native bf16); auto: bf16 for a model whose linears run low-bit on a CPU with "
+        "native bf16 (AVX512-BF16 or AMX), fp32 otherwise", ATTENTION_DTYPES)
     batch_invariant: bool = _knob(True, "a request's logits never depend on its batch-mates, the cache state or the "
                                   "chunking (CPU native kernels; GPU: Triton's invariant kernels); off: faster "
                                   "shared-prefix / split-K decode and BLAS linears")
@@ -132,6 +137,7 @@ ENV_KNOBS = {
     "triton_ops": "RADIX_BACKEND_TRITON_OPS",
     "activation_bits": "RADIX_BACKEND_ACTIVATION_BITS",
     "batch_invariant": "RADIX_BACKEND_BATCH_INVARIANT",
+    "attention_dtype": "RADIX_BACKEND_ATTENTION_DTYPE",
     "speculative": "RADIX_BACKEND_SPECULATIVE",
     "tp_timeout_s": "RADIX_TP_TIMEOUT_S",
     "tp_startup_timeout_s": "RADIX_TP_STARTUP_TIMEOUT_S",

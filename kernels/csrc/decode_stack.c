@@ -41,6 +41,7 @@ typedef struct {
     const float *cos_sin; /* [positions, rot]: cos half, sin half (neox RoPE) */
     int64_t rot;          /* rotated features per head (<= head_dim: partial rotary passes the rest) */
     float out_scale;      /* Granite's residual multiplier on the attention and MLP outputs (else 1) */
+    int64_t attention_bf16; /* invariant attention's products in bf16 pairs (extend_attention.c) */
 } rb_decoder_dims;
 
 static inline int64_t max4(int64_t a, int64_t b, int64_t c, int64_t d) {
@@ -136,7 +137,7 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
         if ((invariant || L->softcap > 0) && D % 16 == 0) /* soft-capped scores: this kernel only */
             rc = rb_decode_attention_invariant(q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T,
                                                d->kv_heads, d->heads / d->kv_heads, D, d->scale, L->softcap, layer_sharing,
-                                               attn, NULL, threads);
+                                               attn, NULL, threads, d->attention_bf16);
         else
             rc = rb_decode_attention(q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T, d->kv_heads,
                                      d->heads / d->kv_heads, D, d->scale, attn, NULL, threads);

@@ -19,6 +19,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 /* Register blocking: KEY_GROUP keys (or value features), each broadcast against ROW_VECS vectors
    of query rows, keep KEY_GROUP * ROW_VECS accumulators and ROW_VECS row vectors in registers. */
@@ -43,6 +46,77 @@ typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(float))));
 
 static inline vec select_vec(ivec mask, vec yes, vec no) { return (vec)(((ivec)yes & mask) | ((ivec)no & ~mask)); }
+
+/* ---- bf16 products ------------------------------------------------------------------------------
+
+   With `bf16` set, Q, K, V and the softmax's probabilities are rounded to bf16 (to nearest even;
+   zeros and denormals to signed zero, NaN kept quiet: vcvtne2ps2bf16's rounding) and multiplied in
+   pairs: for features (or keys) 2i and 2i + 1 the odd product is added to the fp32 sum first, then
+   the even one, each product exact and each sum rounded, which is what vdpbf16ps does per lane
+   (checked bit for bit on Zen 4). Where the CPU has that instruction one of them does a pair per
+   lane (twice fp32's multiply-adds per instruction); elsewhere the same sums are two fp32
+   multiply-adds, whose products are exact too, so every build gives the same bits (products below
+   fp32's normal range aside, which the instruction flushes to zero). Scores, the softmax and the
+   sums stay fp32. */
+typedef uint32_t wvec __attribute__((vector_size(VEC * sizeof(float)))); /* lanes of two bf16 each */
+typedef uint16_t hvec __attribute__((vector_size(VEC * sizeof(uint16_t))));
+#define BF16_PAIRS (BLOCK_KEYS / 2)
+
+static inline wvec select_words(ivec mask, wvec yes, wvec no) { return (yes & (wvec)mask) | (no & ~(wvec)mask); }
+
+/* each lane's bf16, in its low 16 bits */
+static inline wvec bf16_bits(vec x) {
+    const wvec u = (wvec)x, magnitude = u & 0x7fffffffu;
+    const wvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    wvec r = select_words((ivec)(magnitude > 0x7f800000u), (u >> 16) | 0x40u, rounded);
+    return select_words((ivec)((u & 0x7f800000u) == 0), (u >> 16) & 0x8000u, r);
+}
+
+static inline vec load_vec(const float *x) {
+    vec v;
+    memcpy(&v, x, sizeof v);
+    return v;
+}
+
+#if defined(__AVX512BF16__) && VEC == 16 /* vcvtne2ps2bf16: the same rounding (checked on all 2^32 inputs) */
+/* lanes of (even, odd) pairs: even's bf16 in the low half, odd's in the high half */
+static inline wvec bf16_pairs(vec even, vec odd) {
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    __m512i order;
+    memcpy(&order, interleave, sizeof order);
+    return (wvec)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh((__m512)odd, (__m512)even));
+}
+
+/* out[0 .. n) = the bf16 of x[0 .. n), n a multiple of 2 * VEC: consecutive pairs as words */
+static inline void bf16_row(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i += 2 * VEC) {
+        const __m512bh h = _mm512_cvtne2ps_pbh((__m512)load_vec(x + i + VEC), (__m512)load_vec(x + i));
+        memcpy(out + i, &h, sizeof h);
+    }
+}
+#else
+static inline wvec bf16_pairs(vec even, vec odd) { return bf16_bits(even) | (bf16_bits(odd) << 16); }
+
+static inline void bf16_row(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i += VEC) {
+        const hvec h = __builtin_convertvector(bf16_bits(load_vec(x + i)), hvec);
+        memcpy(out + i, &h, sizeof h);
+    }
+}
+#endif
+
+static inline uint32_t bf16_one(float x) { return bf16_bits((vec){0} + x)[0]; }
+
+/* acc + a.odd * b.odd + a.even * b.even per lane, in that order */
+static inline vec dot2(vec acc, wvec a, wvec b) {
+#if defined(__AVX512BF16__) && VEC == 16
+    return (vec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+#else
+    acc += (vec)(a & 0xffff0000u) * (vec)(b & 0xffff0000u);
+    return acc + (vec)(a << 16) * (vec)(b << 16);
+#endif
+}
 
 /* fast_exp.h's exp_clamped on a vector (same operations, so the same results): the softmax loops
    below are written on vectors because compilers left them scalar for some targets (AVX2) */
@@ -73,6 +147,7 @@ typedef struct {
     float scale;
     float softcap; /* > 0: every score s becomes softcap * tanh(s / softcap) (Gemma 2), before masking */
     float *out, *lse;
+    int bf16; /* the products in bf16 pairs (above) */
     const int64_t *task_first; /* [batch + 1]: first task id of each request */
     _Atomic int64_t next;
     _Atomic int failed;
@@ -88,6 +163,10 @@ typedef struct {
                                         float); the block's rescale factor */
     float *lower;   /* [rows]: the row's first visible key (0 without a window), as a float */
     const float **keys, **values; /* [BLOCK_KEYS]: the block's rows in the pool */
+    /* bf16 products: the queries as [D / 2][rows] pairs of features, the block's keys as
+       [BLOCK_KEYS][D / 2] pairs of features, its values as [BF16_PAIRS][D] pairs of keys, the
+       probabilities as [BF16_PAIRS][rows] pairs of keys; o_t then holds [rows][D] */
+    uint32_t *qb, *kb, *vp, *pb;
 } tile_scratch;
 
 /* s_t[j][c] = sum_d keys[j][d] * q_t[d][c] for KEY_GROUP keys and one chunk of `nv` row vectors at
@@ -145,6 +224,110 @@ static void tile_values(const tile_scratch *t, int64_t keys, int64_t d0, int64_t
     for (; c0 < rows; c0 += VEC) values_chunk(t->s_t, t->values, keys, rows, d0, c0, t->o_t, 1);
 }
 
+/* bf16 scores: s_t[j][c] = sum over feature pairs i of kb[j][i] . qb[i][c], KEY_GROUP keys from j
+   (kb at key j) and one chunk of `nv` row vectors at column c0 */
+static inline __attribute__((always_inline)) void scores_chunk_bf16(const uint32_t *restrict qb,
+                                                                    const uint32_t *restrict kb, int64_t rows,
+                                                                    int64_t pairs, int64_t c0, float *restrict s_t,
+                                                                    const int nv) {
+    vec acc[KEY_GROUP][ROW_VECS] = {{{0}}};
+    for (int64_t i = 0; i < pairs; i++) {
+        const wvec *q = (const wvec *)(qb + i * rows + c0);
+        wvec qv[ROW_VECS];
+        for (int u = 0; u < nv; u++) qv[u] = q[u];
+        for (int k = 0; k < KEY_GROUP; k++) {
+            const wvec w = (wvec){0} + kb[k * pairs + i];
+            for (int u = 0; u < nv; u++) acc[k][u] = dot2(acc[k][u], w, qv[u]);
+        }
+    }
+    for (int k = 0; k < KEY_GROUP; k++)
+        for (int u = 0; u < nv; u++) ((vec *)(s_t + k * rows + c0))[u] = acc[k][u];
+}
+
+#if VEC == 16
+#define VALUE_ROWS 6 /* rows x VALUE_COLS accumulators + VALUE_COLS value vectors: 28 of 32 registers */
+#define VALUE_COLS 4
+#else
+#define VALUE_ROWS 2
+#define VALUE_COLS 2
+#endif
+
+/* bf16 values, features as lanes: o[r][d0 + c * VEC ..] += sum over key pairs jp of
+   vp[jp][..] . pb[jp][r] for `nr` rows from r0 and `nc` vectors of features */
+static inline __attribute__((always_inline)) void values_rows_bf16(const uint32_t *restrict vp,
+                                                                   const uint32_t *restrict pb, int64_t pairs,
+                                                                   int64_t rows, int64_t D, int64_t r0, int64_t d0,
+                                                                   float *restrict o, const int nr, const int nc) {
+    vec acc[VALUE_ROWS][VALUE_COLS];
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = load_vec(o + (r0 + r) * D + d0 + c * VEC);
+    for (int64_t jp = 0; jp < pairs; jp++) {
+        wvec v[VALUE_COLS];
+        for (int c = 0; c < nc; c++) v[c] = *(const wvec *)(vp + jp * D + d0 + c * VEC);
+        for (int r = 0; r < nr; r++) {
+            const wvec w = (wvec){0} + pb[jp * rows + r0 + r];
+            for (int c = 0; c < nc; c++) acc[r][c] = dot2(acc[r][c], v[c], w);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int c = 0; c < nc; c++) memcpy(o + (r0 + r) * D + d0 + c * VEC, &acc[r][c], sizeof(vec));
+}
+
+static void tile_scores_bf16(const tile_scratch *t, int64_t j, int64_t rows, int64_t D) {
+    const int64_t pairs = D / 2;
+    int64_t c0 = 0;
+    for (; c0 + CHUNK_ROWS <= rows; c0 += CHUNK_ROWS)
+        scores_chunk_bf16(t->qb, t->kb + j * pairs, rows, pairs, c0, t->s_t + j * rows, ROW_VECS);
+    for (; c0 < rows; c0 += VEC) scores_chunk_bf16(t->qb, t->kb + j * pairs, rows, pairs, c0, t->s_t + j * rows, 1);
+}
+
+/* call(rows, cols) with both constants: rows = min(left, VALUE_ROWS) (1..6), cols = min(cols_left, VALUE_COLS) */
+#if VALUE_COLS == 4
+#define COLS_SWITCH(cols_left, call, r)                                                              \
+    switch ((cols_left) < 4 ? (cols_left) : 4) {                                                     \
+    case 1: call(r, 1); break;                                                                       \
+    case 2: call(r, 2); break;                                                                       \
+    case 3: call(r, 3); break;                                                                       \
+    default: call(r, 4); break;                                                                      \
+    }
+#else
+#define COLS_SWITCH(cols_left, call, r)                                                              \
+    switch ((cols_left) < 2 ? (cols_left) : 2) {                                                     \
+    case 1: call(r, 1); break;                                                                       \
+    default: call(r, 2); break;                                                                      \
+    }
+#endif
+
+static void tile_values_bf16(const tile_scratch *t, int64_t pairs, int64_t used, int64_t rows, int64_t D) {
+    for (int64_t r0 = 0; r0 < used; r0 += VALUE_ROWS)
+        for (int64_t d0 = 0; d0 < D; d0 += VALUE_COLS * VEC) {
+            const int64_t left = used - r0, cols = (D - d0) / VEC;
+#define VALUES(nr, nc) values_rows_bf16(t->vp, t->pb, pairs, rows, D, r0, d0, t->o_t, nr, nc)
+            if (left >= VALUE_ROWS) {
+                COLS_SWITCH(cols, VALUES, VALUE_ROWS)
+            } else {
+                switch (left) {
+                case 1: COLS_SWITCH(cols, VALUES, 1) break;
+#if VALUE_ROWS > 2
+                case 2: COLS_SWITCH(cols, VALUES, 2) break;
+                case 3: COLS_SWITCH(cols, VALUES, 3) break;
+                case 4: COLS_SWITCH(cols, VALUES, 4) break;
+                default: COLS_SWITCH(cols, VALUES, 5) break;
+#endif
+                }
+            }
+#undef VALUES
+        }
+}
+
+/* the block's keys as bf16 feature pairs and its values as bf16 key pairs (`keys` rows, even) */
+static void block_to_bf16(const tile_scratch *t, int64_t keys, int64_t D) {
+    for (int64_t j = 0; j < keys; j++) bf16_row(t->keys[j], D, (uint16_t *)(t->kb + j * (D / 2)));
+    for (int64_t jp = 0; jp < keys / 2; jp++)
+        for (int64_t d = 0; d < D; d += VEC)
+            *(wvec *)(t->vp + jp * D + d) = bf16_pairs(load_vec(t->values[2 * jp] + d), load_vec(t->values[2 * jp + 1] + d));
+}
+
 /* a tile's rows padded to whole vectors */
 static inline int64_t tile_rows(int64_t positions, int64_t group) {
     return (positions * group + VEC - 1) / VEC * VEC;
@@ -157,7 +340,7 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
     const int64_t used = count * G, rows = tile_rows(count, G);
     const int64_t L = a->kv_lens[b], offset = L - a->q_lens[b];
     const int64_t *slots = a->kv_indices + a->kv_starts[b];
-    int64_t keys_end = 0, keys_begin = L;
+    int64_t keys_end = 0, keys_begin = L, first_end = L, last_begin = 0; /* first_end, last_begin: keys every row sees */
     for (int64_t r = 0; r < rows; r++) { /* row r = position first + r / G, query head h * G + r % G */
         if (r < used) {
             const float *src = a->q + ((a->q_starts[b] + first + r / G) * Hq + h * G + r % G) * D;
@@ -172,9 +355,15 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
         }
         keys_end = (int64_t)t->limit[r] > keys_end ? (int64_t)t->limit[r] : keys_end;
         keys_begin = (int64_t)t->lower[r] < keys_begin ? (int64_t)t->lower[r] : keys_begin;
+        first_end = (int64_t)t->limit[r] < first_end ? (int64_t)t->limit[r] : first_end;
+        last_begin = (int64_t)t->lower[r] > last_begin ? (int64_t)t->lower[r] : last_begin;
         t->max[r] = -INFINITY;
         t->sum[r] = 0.f;
     }
+    for (int64_t i = 0; a->bf16 && i < D / 2; i++)
+        for (int64_t u = 0; u < rows / VEC; u++)
+            ((wvec *)(t->qb + i * rows))[u] = bf16_pairs(((vec *)(t->q_t + 2 * i * rows))[u],
+                                                         ((vec *)(t->q_t + (2 * i + 1) * rows))[u]);
     memset(t->o_t, 0, sizeof(float) * rows * D);
     /* blocks before every row's window would add exact zeros: skipped, keeping the block grid */
     for (int64_t j0 = keys_begin / BLOCK_KEYS * BLOCK_KEYS; j0 < keys_end; j0 += BLOCK_KEYS) {
@@ -185,7 +374,12 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
             t->keys[j] = a->k_cache + slot * row + h * D;
             t->values[j] = a->v_cache + slot * row + h * D;
         }
-        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
+        if (a->bf16) {
+            block_to_bf16(t, padded_keys, D);
+            for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores_bf16(t, j, rows, D);
+        } else {
+            for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
+        }
         for (int64_t j = 0; j < n && a->softcap > 0; j++)
             for (int64_t u = 0; u < rows / VEC; u++) ((vec *)(t->s_t + j * rows))[u] = softcap_vec(((vec *)(t->s_t + j * rows))[u], a->softcap);
         /* online softmax, vectorized across rows: new max, rescale factor, probabilities */
@@ -193,11 +387,16 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
         const vec *restrict lim = (const vec *)t->limit, *restrict low = (const vec *)t->lower;
         const vec none = (vec){0} - INFINITY;
         const int64_t row_vecs = rows / VEC;
+        /* a block every row sees whole takes no masks (they would all pass: the same bits) */
+        const int open = j0 >= last_begin && j0 + n <= first_end;
         for (int64_t u = 0; u < row_vecs; u++) corr[u] = mx[u];
         for (int64_t j = 0; j < n; j++) {
             const vec *s = (const vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
-            for (int64_t u = 0; u < row_vecs; u++)
-                mx[u] = select_vec((key >= low[u]) & (key < lim[u]) & (s[u] > mx[u]), s[u], mx[u]);
+            if (open)
+                for (int64_t u = 0; u < row_vecs; u++) mx[u] = select_vec(s[u] > mx[u], s[u], mx[u]);
+            else
+                for (int64_t u = 0; u < row_vecs; u++)
+                    mx[u] = select_vec((key >= low[u]) & (key < lim[u]) & (s[u] > mx[u]), s[u], mx[u]);
         }
         for (int64_t u = 0; u < row_vecs; u++) {
             corr[u] = select_vec(corr[u] == none, (vec){0}, exp_vec(corr[u] - mx[u]));
@@ -205,12 +404,25 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
         }
         for (int64_t j = 0; j < padded_keys; j++) {
             vec *s = (vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
-            for (int64_t u = 0; u < row_vecs; u++) {
-                const vec p = j < n ? select_vec((key >= low[u]) & (key < lim[u]), exp_vec(s[u] - mx[u]), (vec){0})
-                                    : (vec){0};
-                s[u] = p;
-                sm[u] += p;
-            }
+            if (j >= n)
+                for (int64_t u = 0; u < row_vecs; u++) s[u] = (vec){0}, sm[u] += (vec){0};
+            else if (open)
+                for (int64_t u = 0; u < row_vecs; u++) s[u] = exp_vec(s[u] - mx[u]), sm[u] += s[u];
+            else
+                for (int64_t u = 0; u < row_vecs; u++) {
+                    s[u] = select_vec((key >= low[u]) & (key < lim[u]), exp_vec(s[u] - mx[u]), (vec){0});
+                    sm[u] += s[u];
+                }
+        }
+        if (a->bf16) { /* o_t is [rows][D] */
+            for (int64_t r = 0; r < used; r++)
+                for (int64_t d = 0; d < D; d++) t->o_t[r * D + d] *= t->corr[r];
+            for (int64_t jp = 0; jp < padded_keys / 2; jp++)
+                for (int64_t u = 0; u < row_vecs; u++)
+                    ((wvec *)(t->pb + jp * rows))[u] = bf16_pairs(((vec *)(t->s_t + 2 * jp * rows))[u],
+                                                                  ((vec *)(t->s_t + (2 * jp + 1) * rows))[u]);
+            tile_values_bf16(t, padded_keys / 2, used, rows, D);
+            continue;
         }
         for (int64_t d = 0; d < D; d++) {
             vec *o = (vec *)(t->o_t + d * rows);
@@ -222,7 +434,7 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
         const int64_t token = a->q_starts[b] + first + r / G, head = h * G + r % G;
         const float inv = 1.f / t->sum[r];
         float *dst = a->out + (token * Hq + head) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = t->o_t[d * rows + r] * inv;
+        for (int64_t d = 0; d < D; d++) dst[d] = (a->bf16 ? t->o_t[r * D + d] : t->o_t[d * rows + r]) * inv;
         if (a->lse) a->lse[token * Hq + head] = t->max[r] + logf(t->sum[r]);
     }
 }
@@ -238,8 +450,13 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
     const int64_t D = a->dim, rows = tile_rows(a->positions_per_tile, a->group);
     tile_scratch t = {aligned_floats(D * rows), aligned_floats(BLOCK_KEYS * rows), aligned_floats(D * rows),
                       aligned_floats(rows), aligned_floats(rows), aligned_floats(rows), aligned_floats(rows),
-                      aligned_floats(rows), malloc(sizeof(float *) * BLOCK_KEYS), malloc(sizeof(float *) * BLOCK_KEYS)};
-    if (t.q_t && t.s_t && t.o_t && t.max && t.sum && t.limit && t.corr && t.lower && t.keys && t.values) {
+                      aligned_floats(rows), malloc(sizeof(float *) * BLOCK_KEYS), malloc(sizeof(float *) * BLOCK_KEYS),
+                      NULL, NULL, NULL, NULL};
+    if (a->bf16) /* words are float-sized */
+        t.qb = aligned_floats(D / 2 * rows), t.kb = aligned_floats(BLOCK_KEYS * D / 2),
+        t.vp = aligned_floats(BF16_PAIRS * D), t.pb = aligned_floats(BF16_PAIRS * rows);
+    if (t.q_t && t.s_t && t.o_t && t.max && t.sum && t.limit && t.corr && t.lower && t.keys && t.values
+        && (!a->bf16 || (t.qb && t.kb && t.vp && t.pb))) {
         int64_t task;
         while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
             const int64_t id = a->tasks - 1 - task; /* the last tiles of a request see the most keys */
@@ -253,21 +470,23 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
         a->failed = 1;
     }
     free(t.q_t), free(t.s_t), free(t.o_t), free(t.max), free(t.sum), free(t.limit), free(t.corr), free(t.lower);
-    free(t.keys), free(t.values);
+    free(t.keys), free(t.values), free(t.qb), free(t.kb), free(t.vp), free(t.pb);
 }
 
 static int attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
                   const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts, const int64_t *kv_lens,
                   int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, int causal,
-                  int64_t window, float softcap, float *out, float *lse, int64_t threads, int64_t per_tile) {
-    if (dim % 16 != 0) return -2; /* a multiple of KEY_GROUP */
+                  int64_t window, float softcap, float *out, float *lse, int64_t threads, int64_t per_tile,
+                  int64_t bf16) {
+    if (dim % (bf16 ? 32 : 16) != 0) return -2; /* a multiple of KEY_GROUP; bf16: of two vectors' pairs */
     int64_t *task_first = malloc(sizeof(int64_t) * (batch + 1));
     if (!task_first) return -1;
     task_first[0] = 0;
     for (int64_t b = 0; b < batch; b++)
         task_first[b + 1] = task_first[b] + (q_lens[b] + per_tile - 1) / per_tile * hkv;
     extend_job job = {q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch, hkv, group,
-                      dim, per_tile, task_first[batch], causal, window, scale, softcap, out, lse, task_first, 0, 0};
+                      dim, per_tile, task_first[batch], causal, window, scale, softcap, out, lse, (int)bf16, task_first,
+                      0, 0};
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(extend_part, &job, threads < 1 ? 1 : threads);
     free(task_first);
@@ -288,22 +507,23 @@ int rb_extend_attention(const float *q, const float *k_cache, const float *v_cac
                         const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,
                         float scale, int causal, float *out, float *lse, int64_t threads) {
     return rb_extend_attention_window(q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch,
-                                      hkv, group, dim, scale, causal, 0, 0.f, out, lse, threads);
+                                      hkv, group, dim, scale, causal, 0, 0.f, out, lse, threads, 0);
 }
 
 /* The same with a sliding window (`window` > 0, causal only): new token i of request b, at key
    position p = kv_lens[b] - q_lens[b] + i, sees keys [max(0, p - window + 1), p] (HF's sliding-window
    mask). Key blocks stay on the request's grid of BLOCK_KEYS, so rows keep the bits above.
    `softcap` > 0 caps every score s (after the scale) as softcap * tanh(s / softcap), Gemma 2's
-   attention logit soft-capping. */
+   attention logit soft-capping. `bf16`: the products in bf16 pairs (see above; dim a multiple of
+   32), the same bits on every build. */
 int rb_extend_attention_window(const float *q, const float *k_cache, const float *v_cache,
                                const int64_t *kv_indices, const int64_t *q_starts, const int64_t *q_lens,
                                const int64_t *kv_starts, const int64_t *kv_lens, int64_t batch, int64_t hkv,
                                int64_t group, int64_t dim, float scale, int causal, int64_t window, float softcap,
-                               float *out, float *lse, int64_t threads) {
+                               float *out, float *lse, int64_t threads, int64_t bf16) {
     const int64_t per_tile = TILE_ROWS / group;
     return attend(q, k_cache, v_cache, kv_indices, q_starts, q_lens, kv_starts, kv_lens, batch, hkv, group, dim,
-                  scale, causal, window, softcap, out, lse, threads, per_tile < 1 ? 1 : per_tile);
+                  scale, causal, window, softcap, out, lse, threads, per_tile < 1 ? 1 : per_tile, bf16);
 }
 
 /* ---- decode: one query row per request, the same sums with keys as vector lanes ------------------
@@ -320,6 +540,11 @@ typedef struct {
     float *s;     /* [G][BLOCK_KEYS]: scores, then probabilities */
     float *o;     /* [M][G][D]: output accumulators */
     float *max, *sum; /* [M][G] */
+    /* bf16 products: the queries as [M][G][D / 2] pairs of features, the block's keys as
+       [D / 2][BLOCK_KEYS] pairs of features (transposed from `rows16`, [VEC][D] bf16), its values
+       as [BF16_PAIRS][D] pairs of keys, the probabilities as [G][BF16_PAIRS] pairs of keys */
+    uint32_t *qw, *ktw, *vpw, *pw;
+    uint16_t *rows16;
 } decode_scratch;
 
 /* x, as a value the compiler cannot see through (no call specialised on it) */
@@ -449,6 +674,7 @@ static void member_begin(const extend_job *a, const decode_scratch *t, int64_t m
     for (int64_t g = 0; g < G; g++) {
         const float *src = a->q + (b * Hq + h * G + g) * D;
         for (int64_t d = 0; d < D; d++) t->qs[(m * G + g) * D + d] = src[d] * a->scale;
+        if (a->bf16) bf16_row(t->qs + (m * G + g) * D, D, (uint16_t *)(t->qw + (m * G + g) * D / 2));
         t->max[m * G + g] = -INFINITY;
         t->sum[m * G + g] = 0.f;
     }
@@ -472,7 +698,22 @@ static void load_block(const extend_job *a, const decode_scratch *t, const int64
             if (j0 + j + PREFETCH_KEYS < L) prefetch_key(a, slots, j0 + j + PREFETCH_KEYS, h);
             k[i] = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
         }
-        transpose_keys(k, D, t->kt + u * VEC);
+        if (!a->bf16) {
+            transpose_keys(k, D, t->kt + u * VEC);
+            continue;
+        }
+        const float *words[VEC]; /* the keys' bf16 rows, as word-sized lanes to transpose */
+        for (int64_t i = 0; i < VEC; i++) {
+            bf16_row(k[i], D, t->rows16 + i * D);
+            words[i] = (const float *)(t->rows16 + i * D);
+        }
+        transpose_keys(words, D / 2, (float *)t->ktw + u * VEC);
+    }
+    for (int64_t jp = 0; a->bf16 && jp < (n + 1) / 2; jp++) { /* an odd block's last pair repeats its key */
+        const float *even = a->v_cache + slots[j0 + 2 * jp] * row + h * D;
+        const float *odd = a->v_cache + slots[j0 + (2 * jp + 1 < n ? 2 * jp + 1 : n - 1)] * row + h * D;
+        for (int64_t d = 0; d < D; d += VEC)
+            *(wvec *)(t->vpw + jp * D + d) = bf16_pairs(load_vec(even + d), load_vec(odd + d));
     }
 }
 
@@ -507,11 +748,82 @@ static inline __attribute__((always_inline)) void block_softmax(const extend_job
     }
 }
 
+/* decode_scores with bf16 pairs of features */
+static inline __attribute__((always_inline)) void decode_scores_bf16(const uint32_t *ktw, const uint32_t *qw,
+                                                                     int64_t pairs, int64_t u0, float *s,
+                                                                     const int c, const int heads) {
+    vec acc[DECODE_HEADS][DECODE_CHAINS] = {{{0}}};
+    for (int64_t i = 0; i < pairs; i++) {
+        const wvec *k = (const wvec *)(ktw + i * BLOCK_KEYS) + u0;
+        wvec kv[DECODE_CHAINS];
+        for (int j = 0; j < c; j++) kv[j] = k[j];
+        for (int g = 0; g < heads; g++) {
+            const wvec w = (wvec){0} + qw[g * pairs + i];
+            for (int j = 0; j < c; j++) acc[g][j] = dot2(acc[g][j], kv[j], w);
+        }
+    }
+    for (int g = 0; g < heads; g++)
+        for (int j = 0; j < c; j++) ((vec *)(s + g * BLOCK_KEYS))[u0 + j] = acc[g][j];
+}
+
+/* decode_values with bf16 pairs of keys (`pairs` of them) */
+static inline __attribute__((always_inline)) void decode_values_bf16(const uint32_t *vpw, const uint32_t *pw,
+                                                                     int64_t pairs, int64_t D, int64_t d0, float *o,
+                                                                     const int c, const int heads) {
+    vec acc[DECODE_HEADS][DECODE_CHAINS];
+    for (int g = 0; g < heads; g++)
+        for (int i = 0; i < c; i++) acc[g][i] = *(const vec *)(o + g * D + d0 + i * VEC);
+    for (int64_t jp = 0; jp < pairs; jp++) {
+        wvec vv[DECODE_CHAINS];
+        for (int i = 0; i < c; i++) vv[i] = *(const wvec *)(vpw + jp * D + d0 + i * VEC);
+        for (int g = 0; g < heads; g++) {
+            const wvec w = (wvec){0} + pw[g * BF16_PAIRS + jp];
+            for (int i = 0; i < c; i++) acc[g][i] = dot2(acc[g][i], vv[i], w);
+        }
+    }
+    for (int g = 0; g < heads; g++)
+        for (int i = 0; i < c; i++) *(vec *)(o + g * D + d0 + i * VEC) = acc[g][i];
+}
+
+/* Member m's G query heads over the loaded block j0, bf16 products: the probabilities of keys past
+   n (lanes that repeat key n - 1) are zero in the pairs, as a masked key's are in the tiles */
+static void member_block_bf16(const extend_job *a, const decode_scratch *t, int64_t m, int64_t n) {
+    const int64_t G = a->group, D = a->dim, nv = (n + VEC - 1) / VEC, pairs = (n + 1) / 2;
+    const uint32_t *qw = t->qw + m * G * D / 2;
+    float *o = t->o + m * G * D;
+    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
+        for (int64_t u0 = 0; u0 < nv; u0 += DECODE_CHAINS) {
+#define SCORES(c, heads) decode_scores_bf16(t->ktw, qw + g0 * D / 2, D / 2, u0, t->s + g0 * BLOCK_KEYS, c, heads);
+            DECODE_SWITCH(nv - u0, G - g0, SCORES)
+#undef SCORES
+        }
+    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS) {
+#define SOFTMAX(unused, heads) block_softmax(a, t, m * G + g0, t->s + g0 * BLOCK_KEYS, o + g0 * D, n, nv, heads);
+        HEADS_SWITCH(G - g0, SOFTMAX, 0)
+#undef SOFTMAX
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float *p = t->s + g * BLOCK_KEYS;
+        for (int64_t jp = 0; jp < pairs; jp++)
+            t->pw[g * BF16_PAIRS + jp] = bf16_one(p[2 * jp]) | (2 * jp + 1 < n ? bf16_one(p[2 * jp + 1]) << 16 : 0u);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
+        for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
+#define VALUES(c, heads) decode_values_bf16(t->vpw, t->pw + g0 * BF16_PAIRS, pairs, D, d0, o + g0 * D, c, heads);
+            DECODE_SWITCH((D - d0) / VEC, G - g0, VALUES)
+#undef VALUES
+        }
+}
+
 /* Member m's G query heads over the loaded block j0 (n keys; its values read through `slots`). One
    compiled body for every caller, never given a constant n (`opaque`): a copy specialised for n ==
    BLOCK_KEYS fused other multiplies and adds (the rescaled sum) and changed bits. */
 static __attribute__((noinline)) void member_block(const extend_job *a, const decode_scratch *t, int64_t m,
                                                   const int64_t *slots, int64_t h, int64_t j0, int64_t n) {
+    if (a->bf16) {
+        member_block_bf16(a, t, m, n);
+        return;
+    }
     const int64_t G = a->group, D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC;
     const float *qs = t->qs + m * G * D;
     float *o = t->o + m * G * D;
@@ -586,8 +898,13 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
     const rb_key_sharing *sh = dj->sharing;
     const int64_t G = a->group, D = a->dim, M = dj->widest;
     decode_scratch t = {aligned_floats(M * G * D), aligned_floats(D * BLOCK_KEYS), aligned_floats(G * BLOCK_KEYS),
-                        aligned_floats(M * G * D), aligned_floats(M * G), aligned_floats(M * G)};
-    if (t.qs && t.kt && t.s && t.o && t.max && t.sum) {
+                        aligned_floats(M * G * D), aligned_floats(M * G), aligned_floats(M * G),
+                        NULL, NULL, NULL, NULL, NULL};
+    if (a->bf16) /* words are float-sized */
+        t.qw = aligned_floats(M * G * D / 2), t.ktw = aligned_floats(D / 2 * BLOCK_KEYS),
+        t.vpw = aligned_floats(BF16_PAIRS * D), t.pw = aligned_floats(G * BF16_PAIRS),
+        t.rows16 = aligned_floats(VEC * D / 2);
+    if (t.qs && t.kt && t.s && t.o && t.max && t.sum && (!a->bf16 || (t.qw && t.ktw && t.vpw && t.pw && t.rows16))) {
         int64_t task;
         while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
             const int64_t c = task / a->hkv, h = task % a->hkv;
@@ -600,6 +917,7 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
         a->failed = 1;
     }
     free(t.qs), free(t.kt), free(t.s), free(t.o), free(t.max), free(t.sum);
+    free(t.qw), free(t.ktw), free(t.vpw), free(t.pw), free(t.rows16);
 }
 
 /* One query row per request (a decode step), bit for bit what `rb_extend_attention` gives the last
@@ -608,15 +926,17 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
    `softcap`: as in `rb_extend_attention_window` (0: none). `sharing` (or NULL): chunks of requests
    that begin with the same slots (each request in exactly one chunk, shared[c] < every member's
    lens); a chunk reads its shared keys once, which saves memory traffic and changes no bit.
+   `bf16`: the extend kernel's bf16 products (dim a multiple of 32), the same bits as its rows.
    Returns 0, -1 when memory ran out, -2 for an unsupported dim. */
 int rb_decode_attention_invariant(const float *q, const float *k_cache, const float *v_cache,
                               const int64_t *kv_indices, const int64_t *starts, const int64_t *lens,
                               int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float softcap,
-                              const rb_key_sharing *sharing, float *out, float *lse, int64_t threads) {
-    if (dim % 16 != 0) return -2;
+                              const rb_key_sharing *sharing, float *out, float *lse, int64_t threads,
+                              int64_t bf16) {
+    if (dim % (bf16 ? 32 : 16) != 0) return -2;
     const int64_t chunks = sharing ? sharing->chunks : batch;
     extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
-                      dim, 1, chunks * hkv, 0, 0, scale, softcap, out, lse, NULL, 0, 0};
+                      dim, 1, chunks * hkv, 0, 0, scale, softcap, out, lse, (int)bf16, NULL, 0, 0};
     int64_t widest = 1; /* members of the largest chunk: the scratch holds that many requests' state */
     for (int64_t c = 0; sharing && c < chunks; c++) {
         const int64_t members = sharing->bounds[c + 1] - sharing->bounds[c];

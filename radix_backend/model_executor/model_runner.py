@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +54,7 @@ class KernelPath:
     cuda_graph: bool
     activation_bits: int  # of the native low-bit linears, every row
     batch_invariant: bool  # holds here: a row's logits do not depend on its batch-mates, the cache or the chunking
+    attention_bf16: bool = False  # the native attention kernels multiply bf16 pairs (else fp32)
 
 
 @dataclass
@@ -121,6 +122,8 @@ class ModelRunner:
         try:
             with settings.active(self.kernel_settings):  # the linears pick their kernels while built
                 self._build(checkpoint, config)
+            self.kernel_settings = replace(self.kernel_settings,
+                                           attention_bf16=self._attention_bf16(config.attention_dtype))
         except BaseException as exc:
             if self.tp is not None:
                 self.tp.mark_broken(f"building the model failed: {exc}")
@@ -187,7 +190,23 @@ class ModelRunner:
                           linears=f"{report.mode} ({report.reason})", decode_stack=report.decode_stack,
                           cuda_graph=self.graph_runner is not None,
                           activation_bits=settings.current().activation_bits,
-                          batch_invariant=self._batch_invariant(attention, layer_ops))
+                          batch_invariant=self._batch_invariant(attention, layer_ops),
+                          attention_bf16=settings.current().attention_bf16)
+
+    def _attention_bf16(self, requested: str) -> bool:
+        """Whether the native attention kernels multiply bf16 pairs: asked for, or (auto) for a model
+        whose linears run low-bit (their activations are 8- or 16-bit already) on a CPU with native
+        bf16. Read from the CPU's features, never timed: a busy machine must not change precision."""
+        head_dim = self.model.layers[0].self_attn.head_dim
+        can = (self.attention_backend.name == "native" and self.dtype == torch.float32 and native.available()
+               and native.bf16_attention_dim_ok(head_dim))
+        if requested == "bf16" and not can:
+            raise ValueError(f"attention_dtype='bf16' needs the native CPU attention kernels on an fp32 KV pool and a "
+                             f"head size that is a multiple of 32; this model runs {self.attention_backend.name} "
+                             f"attention on {self.device}/{str(self.dtype).removeprefix('torch.')}, head size {head_dim}")
+        if requested != "auto":
+            return requested == "bf16"
+        return can and self.quantization.mode != "none" and quant.has_native_bf16()
 
     def _batch_invariant(self, attention: str, layer_ops: str) -> bool:
         """Whether the guarantee holds for this model, not only whether it was asked for: one

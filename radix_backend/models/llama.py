@@ -304,7 +304,8 @@ class LlamaForCausalLM(nn.Module):
             threads = self.head_threads or torch.get_num_threads()  # the step's thread budget
             hidden, residual = stack.run(hidden, positions, meta.out_slots, meta.kv_indices, *slots, threads=threads,
                                          activation_bits=quant.activation_bits(),
-                                         invariant=settings.current().batch_invariant)
+                                         invariant=settings.current().batch_invariant,
+                                         attention_bf16=settings.current().attention_bf16)
         else:
             residual = None
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):

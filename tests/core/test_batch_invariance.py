@@ -36,13 +36,17 @@ def step_logits() -> Iterator[dict[str, list[torch.Tensor]]]:
 
 
 QUANTIZATIONS, PATH_IDS = ["auto", "none"], ["gguf-native", "fp32"]  # the default path, the fp32 reference
+# the default path with each attention product (auto picks bf16 where the CPU has it), the fp32 reference
+ENGINE_PATHS = {"gguf-native": ("auto", "fp32"), "gguf-native-bf16-attention": ("auto", "bf16"), "fp32": ("none", "auto")}
 
 
-@pytest.fixture(scope="module", params=QUANTIZATIONS, ids=PATH_IDS)
+@pytest.fixture(scope="module", params=list(ENGINE_PATHS.values()), ids=list(ENGINE_PATHS))
 def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     """A small KV pool (retractions, evictions) and short prefill chunks."""
-    with Engine(quantization=request.param, kv_cache_tokens=1000, chunked_prefill_tokens=48) as eng:
-        assert eng.kernel_path.batch_invariant
+    quantization, attention = request.param
+    with Engine(quantization=quantization, attention_dtype=attention, kv_cache_tokens=1000,
+                chunked_prefill_tokens=48) as eng:
+        assert eng.kernel_path.batch_invariant and eng.kernel_path.attention_bf16 == (attention == "bf16")
         yield eng
 
 

@@ -72,8 +72,10 @@ def test_a_gguf_runs_in_its_own_types_and_tracks_the_fp32_reference(model_file):
         cold = [o.token_ids for o in eng.generate(input_ids=ids, params=params)]
         warm = [o.token_ids for o in eng.generate(input_ids=ids, params=params)]
         assert eng.cache_stats().cached_tokens > 0 and cold == warm
-        # 16-bit activations everywhere: the file's own weights at fp32 accuracy, fp32's tokens
-    with Engine(str(model_file), kv_cache_tokens=1024, quantization="auto", activation_bits=16) as exact, \
+        # 16-bit activations everywhere and fp32 attention products: the file's own weights at fp32
+        # accuracy, fp32's tokens
+    with Engine(str(model_file), kv_cache_tokens=1024, quantization="auto", activation_bits=16,
+                attention_dtype="fp32") as exact, \
             Engine(str(model_file), kv_cache_tokens=1024, quantization="none") as ref:
         for prompt in ids:
             assert relative_error(exact.next_token_logits(prompt), ref.next_token_logits(prompt)) < 1e-3

@@ -93,14 +93,16 @@ def test_explicit_modes_quantize_an_fp_checkpoint(tiny_llama_dir, mode, bound):
 def test_smollm2_auto_runs_the_gguf_weights_in_their_own_types():
     """The embedded GGUF's linears are Q4_1 and its head Q8_0: auto runs them as they are on the
     native kernels (never decided by timing); the engine tracks the fp32 engine on the same
-    dequantized weights, and cached == uncached."""
+    dequantized weights, and cached == uncached. Attention multiplies in fp32 here: the weights'
+    path is what is checked (bf16 attention products: test_attention_dtype.py)."""
     from radix_backend.engine import Engine
     from radix_backend.sampling_params import SamplingParams
 
     prompts = ["What is the capital of France?", "Write a haiku about the sea.",
                "List three prime numbers.", "Explain what a radix tree is."]
     params = SamplingParams(max_new_tokens=24, temperature=0)
-    with Engine(kv_cache_tokens=8192, quantization="auto") as eng, Engine(kv_cache_tokens=8192) as ref:
+    with Engine(kv_cache_tokens=8192, quantization="auto", attention_dtype="fp32") as eng, \
+            Engine(kv_cache_tokens=8192) as ref:
         report = eng.runner.quantization
         if not native.available():
             pytest.skip("the native kernels do not build here")
@@ -123,7 +125,7 @@ def test_smollm2_auto_runs_the_gguf_weights_in_their_own_types():
         assert agree > 0.5  # greedy agreement with fp32 is measured on the workloads (BENCHMARKS.md)
         if eng.runner.model.layers[0].mlp.down_proj.native_q4 is not None:
             # 16-bit activations everywhere: the GGUF's own weights at fp32 accuracy, fp32's tokens
-            with Engine(kv_cache_tokens=8192, quantization="auto", activation_bits=16) as exact:
+            with Engine(kv_cache_tokens=8192, quantization="auto", activation_bits=16, attention_dtype="fp32") as exact:
                 assert exact.kernel_path.activation_bits == 16 and eng.kernel_path.activation_bits == 8
                 assert relative_error(exact.next_token_logits(ids), ref.next_token_logits(ids)) < 1e-3
                 assert [o.token_ids for o in exact.generate(messages=msgs, params=params)] == fp32

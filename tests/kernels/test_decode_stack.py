@@ -4,6 +4,7 @@ q8_matmul.c, thread_pool.c) against float64 references and against the per-layer
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import platform
 import threading
@@ -353,5 +354,21 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
     alone, together = torch.empty_like(q), torch.empty_like(q)
     for out, share in ((alone, None), (together, ctypes.byref(sharing.struct))):
         assert lib.rb_decode_attention_invariant(*(t.data_ptr() for t in (q, k_cache, v_cache, kv_indices, starts, lens)),
-                                                 3, 2, 3, 80, 0.1, 0.0, share, out.data_ptr(), None, 2) == 0
+                                                 3, 2, 3, 80, 0.1, 0.0, share, out.data_ptr(), None, 2, 0) == 0
     assert torch.equal(alone, together)
+    # bf16 products: vdpbf16ps where the CPU has it, two fp32 multiply-adds elsewhere: the same bits where
+    # the build has fused multiply-adds (the softmax's exp polynomial uses them), else close
+    same = torch.equal if march == "haswell" else functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6)
+    k_cache, v_cache, q = k_cache[..., :64].contiguous(), v_cache[..., :64].contiguous(), torch.randn(90, 6, 64, generator=gen)
+    got = torch.empty_like(q)
+    assert lib.rb_extend_attention_window(*(t.data_ptr() for t in (q, k_cache, v_cache, *index_args)), 2, 2, 3, 64,
+                                          0.1, 1, 0, 0.0, got.data_ptr(), None, 2, 1) == 0
+    want, _ = native.extend_attention(q, k_cache, v_cache, *index_args, 0.1, bf16=True)
+    assert same(got, want) in (True, None)
+    q = q[:3]
+    got = torch.empty_like(q)
+    assert lib.rb_decode_attention_invariant(*(t.data_ptr() for t in (q, k_cache, v_cache, kv_indices, starts, lens)),
+                                             3, 2, 3, 64, 0.1, 0.0, ctypes.byref(sharing.struct), got.data_ptr(), None,
+                                             2, 1) == 0
+    want, _ = native.decode_attention(q, k_cache, v_cache, kv_indices, starts, lens, 0.1, invariant=True, bf16=True)
+    assert same(got, want) in (True, None)

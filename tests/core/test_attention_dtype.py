@@ -1,0 +1,65 @@
+"""`attention_dtype`: the native attention kernels' products in fp32 or in bf16 pairs.
+
+auto picks bf16 for a model whose linears run low-bit (their activations are 8- or 16-bit already)
+on a CPU with native bf16, read from the CPU's flags, never timed; an explicit choice is honoured
+or refused by name. Bit-for-bit batch invariance with bf16 products is checked in
+test_batch_invariance.py, the kernels themselves in tests/kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radix_backend import Engine, SamplingParams
+from radix_backend.bench.invariance import recording_step_logits
+from radix_backend.kernels import native, quant
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="bf16 products are the native CPU kernels'")
+
+PROMPTS = ["The capital of France is", "Write a Python function that reverses a string.", "List three primary colors:",
+           "Explain photosynthesis in one sentence.", "Once upon a time, in a small village,", "What is 12 times 7?",
+           "Translate 'good morning' into Spanish.", "The quick brown fox"]
+
+
+@pytest.mark.parametrize("cpu_has_bf16", [True, False])
+def test_auto_follows_the_cpus_flags_for_low_bit_models(monkeypatch: pytest.MonkeyPatch, cpu_has_bf16: bool) -> None:
+    monkeypatch.setattr(quant, "has_native_bf16", lambda cpuinfo=None: cpu_has_bf16)
+    with Engine(quantization="auto", kv_cache_tokens=256) as eng:  # the embedded GGUF in its low-bit types
+        assert eng.kernel_path.attention_bf16 is cpu_has_bf16
+
+
+def test_fp_checkpoints_keep_fp32_products_unless_asked(tiny_qwen3_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quant, "has_native_bf16", lambda cpuinfo=None: True)
+    common = dict(device="cpu", dtype="float32", kv_cache_tokens=256)
+    with Engine(str(tiny_qwen3_dir), **common) as eng:
+        assert not eng.kernel_path.attention_bf16
+    with Engine(str(tiny_qwen3_dir), attention_dtype="bf16", **common) as eng:  # head size 32
+        assert eng.kernel_path.attention_bf16
+        assert len(eng.generate("Hello there", SamplingParams(max_new_tokens=4, temperature=0)).token_ids) == 4
+
+
+def test_bf16_products_are_refused_where_the_kernels_cannot_run_them(tiny_llama_dir, tiny_qwen3_dir) -> None:
+    common = dict(device="cpu", dtype="float32", kv_cache_tokens=256, attention_dtype="bf16")
+    with pytest.raises(ValueError, match=r"attention_dtype='bf16'.*head size 16"):
+        Engine(str(tiny_llama_dir), **common)
+    with pytest.raises(ValueError, match=r"attention_dtype='bf16'.*runs torch attention"):
+        Engine(str(tiny_qwen3_dir), attention_backend="torch", **common)
+
+
+@pytest.mark.slow
+def test_bf16_products_stay_close_to_fp32_products_on_smollm2() -> None:
+    """With 16-bit activations (so that the attention products are the main difference) the greedy
+    tokens on eight prompts and the first step's logits against fp32 products: measured 8/8 prompts
+    equal over 16 tokens and a largest logit difference of 0.43 (logits up to ~25); the default
+    8-bit activations alone move the logits by ~1.0 from the fp32 reference."""
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    runs = {}
+    for attention in ("fp32", "bf16"):
+        with Engine(quantization="auto", attention_dtype=attention, activation_bits=16, speculative=False) as eng, \
+                recording_step_logits() as seen:
+            tokens = [eng.generate(p, params).token_ids for p in PROMPTS]
+            runs[attention] = tokens, [steps[0] for steps in seen.values()]
+    (fp32_tokens, fp32_logits), (bf16_tokens, bf16_logits) = runs["fp32"], runs["bf16"]
+    assert sum(a == b for a, b in zip(fp32_tokens, bf16_tokens)) >= 6
+    assert max(float((a - b).abs().max()) for a, b in zip(fp32_logits, bf16_logits)) < 1.0
+    assert any(not torch.equal(a, b) for a, b in zip(fp32_logits, bf16_logits))  # the products did change
