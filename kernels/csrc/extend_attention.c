@@ -328,6 +328,40 @@ static void block_to_bf16(const tile_scratch *t, int64_t keys, int64_t D) {
             *(wvec *)(t->vp + jp * D + d) = bf16_pairs(load_vec(t->values[2 * jp] + d), load_vec(t->values[2 * jp + 1] + d));
 }
 
+/* out[d * stride + i] = k[i][d] for VEC rows: AVX-512 transposes 16 x 16 tiles in registers
+   (four steps, each swapping the off-diagonal s x s blocks of row pairs i, i + s), else one float at a time */
+static void transpose_rows(const float *const *k, int64_t D, float *out, int64_t stride) {
+#if VEC == 16
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        vec r[16];
+        for (int i = 0; i < 16; i++) memcpy(&r[i], k[i] + d0, sizeof(vec));
+#define UNWRAP(...) __VA_ARGS__
+#define SWAP_BLOCKS(s, lo, hi)                                                                      \
+        for (int i = 0; i < 16; i++)                                                                 \
+            if (!(i & s)) {                                                                          \
+                const vec a = r[i], b = r[i + s];                                                    \
+                r[i] = __builtin_shufflevector(a, b, UNWRAP lo), r[i + s] = __builtin_shufflevector(a, b, UNWRAP hi); \
+            }
+        SWAP_BLOCKS(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                    (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+        SWAP_BLOCKS(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                    (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+        SWAP_BLOCKS(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                    (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+        SWAP_BLOCKS(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                    (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#undef SWAP_BLOCKS
+#undef UNWRAP
+        for (int i = 0; i < 16; i++) memcpy(out + (d0 + i) * stride, &r[i], sizeof(vec));
+    }
+#else
+    for (int i = 0; i < VEC; i++)
+        for (int64_t d = 0; d < D; d++) out[d * stride + i] = k[i][d];
+#endif
+}
+
+#define transpose_keys(k, D, kt) transpose_rows(k, D, kt, BLOCK_KEYS) /* into a block's [D][BLOCK_KEYS] */
+
 /* a tile's rows padded to whole vectors */
 static inline int64_t tile_rows(int64_t positions, int64_t group) {
     return (positions * group + VEC - 1) / VEC * VEC;
@@ -343,13 +377,10 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
     int64_t keys_end = 0, keys_begin = L, first_end = L, last_begin = 0; /* first_end, last_begin: keys every row sees */
     for (int64_t r = 0; r < rows; r++) { /* row r = position first + r / G, query head h * G + r % G */
         if (r < used) {
-            const float *src = a->q + ((a->q_starts[b] + first + r / G) * Hq + h * G + r % G) * D;
-            for (int64_t d = 0; d < D; d++) t->q_t[d * rows + r] = src[d] * a->scale;
             t->limit[r] = (float)(a->causal ? offset + first + r / G + 1 : L);
             const int64_t lower = a->causal && a->window > 0 ? (int64_t)t->limit[r] - a->window : 0;
             t->lower[r] = (float)(lower > 0 ? lower : 0);
-        } else { /* padding: the last real row's keys (never empty, no extra blocks), never written out */
-            for (int64_t d = 0; d < D; d++) t->q_t[d * rows + r] = 0.f;
+        } else { /* padding: zero queries, the last real row's keys (never empty, no extra blocks), never written out */
             t->limit[r] = t->limit[used - 1];
             t->lower[r] = t->lower[used - 1];
         }
@@ -360,11 +391,20 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
         t->max[r] = -INFINITY;
         t->sum[r] = 0.f;
     }
+    memset(t->o_t, 0, sizeof(float) * rows * D); /* also the padding rows' zero queries */
+    for (int64_t r0 = 0; r0 < rows; r0 += VEC) { /* the queries transposed, VEC rows at a time, then scaled */
+        const float *src[VEC];
+        for (int64_t i = 0; i < VEC; i++) {
+            const int64_t r = r0 + i;
+            src[i] = r < used ? a->q + ((a->q_starts[b] + first + r / G) * Hq + h * G + r % G) * D : t->o_t;
+        }
+        transpose_rows(src, D, t->q_t + r0, rows);
+    }
+    for (int64_t i = 0; i < D * rows / VEC; i++) ((vec *)t->q_t)[i] *= a->scale;
     for (int64_t i = 0; a->bf16 && i < D / 2; i++)
         for (int64_t u = 0; u < rows / VEC; u++)
             ((wvec *)(t->qb + i * rows))[u] = bf16_pairs(((vec *)(t->q_t + 2 * i * rows))[u],
                                                          ((vec *)(t->q_t + (2 * i + 1) * rows))[u]);
-    memset(t->o_t, 0, sizeof(float) * rows * D);
     /* blocks before every row's window would add exact zeros: skipped, keeping the block grid */
     for (int64_t j0 = keys_begin / BLOCK_KEYS * BLOCK_KEYS; j0 < keys_end; j0 += BLOCK_KEYS) {
         const int64_t n = keys_end - j0 < BLOCK_KEYS ? keys_end - j0 : BLOCK_KEYS;
@@ -561,38 +601,6 @@ static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp
 static inline void prefetch_key(const extend_job *a, const int64_t *slots, int64_t i, int64_t h) {
     const int64_t at = slots[i] * a->hkv * a->dim + h * a->dim;
     rb_prefetch_floats(a->k_cache + at, a->dim), rb_prefetch_floats(a->v_cache + at, a->dim);
-}
-
-/* kt[d * BLOCK_KEYS + i] = k[i][d] for VEC keys: AVX-512 transposes 16 x 16 tiles in registers
-   (four steps, each swapping the off-diagonal s x s blocks of row pairs i, i + s), else one float at a time */
-static void transpose_keys(const float *const *k, int64_t D, float *kt) {
-#if VEC == 16
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        vec r[16];
-        for (int i = 0; i < 16; i++) memcpy(&r[i], k[i] + d0, sizeof(vec));
-#define UNWRAP(...) __VA_ARGS__
-#define SWAP_BLOCKS(s, lo, hi)                                                                      \
-        for (int i = 0; i < 16; i++)                                                                 \
-            if (!(i & s)) {                                                                          \
-                const vec a = r[i], b = r[i + s];                                                    \
-                r[i] = __builtin_shufflevector(a, b, UNWRAP lo), r[i + s] = __builtin_shufflevector(a, b, UNWRAP hi); \
-            }
-        SWAP_BLOCKS(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                    (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
-        SWAP_BLOCKS(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
-                    (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
-        SWAP_BLOCKS(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
-                    (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
-        SWAP_BLOCKS(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
-                    (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
-#undef SWAP_BLOCKS
-#undef UNWRAP
-        for (int i = 0; i < 16; i++) *(vec *)(kt + (d0 + i) * BLOCK_KEYS) = r[i];
-    }
-#else
-    for (int i = 0; i < VEC; i++)
-        for (int64_t d = 0; d < D; d++) kt[d * BLOCK_KEYS + i] = k[i][d];
-#endif
 }
 
 #define DECODE_CHAINS 4 /* independent vectors per pass: one chain of D dependent FMAs was latency bound */
