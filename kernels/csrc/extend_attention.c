@@ -47,6 +47,22 @@ typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(float))));
 
 static inline vec select_vec(ivec mask, vec yes, vec no) { return (vec)(((ivec)yes & mask) | ((ivec)no & ~mask)); }
 
+/* call(a, k) with k = min(n, limit) as a constant, for a limit of 2 or 4 */
+#define SWITCH_2(n, call, a)                                                                         \
+    switch ((n) < 2 ? (n) : 2) {                                                                     \
+    case 1: call(a, 1); break;                                                                       \
+    default: call(a, 2); break;                                                                      \
+    }
+#define SWITCH_4(n, call, a)                                                                         \
+    switch ((n) < 4 ? (n) : 4) {                                                                     \
+    case 1: call(a, 1); break;                                                                       \
+    case 2: call(a, 2); break;                                                                       \
+    case 3: call(a, 3); break;                                                                       \
+    default: call(a, 4); break;                                                                      \
+    }
+#define SWITCH_LIMIT(limit, n, call, a) SWITCH_##limit(n, call, a)
+#define SWITCH_UP_TO(limit, n, call, a) SWITCH_LIMIT(limit, n, call, a) /* expands `limit` first */
+
 /* ---- bf16 products ------------------------------------------------------------------------------
 
    With `bf16` set, Q, K, V and the softmax's probabilities are rounded to bf16 (to nearest even;
@@ -281,22 +297,8 @@ static void tile_scores_bf16(const tile_scratch *t, int64_t j, int64_t rows, int
     for (; c0 < rows; c0 += VEC) scores_chunk_bf16(t->qb, t->kb + j * pairs, rows, pairs, c0, t->s_t + j * rows, 1);
 }
 
-/* call(rows, cols) with both constants: rows = min(left, VALUE_ROWS) (1..6), cols = min(cols_left, VALUE_COLS) */
-#if VALUE_COLS == 4
-#define COLS_SWITCH(cols_left, call, r)                                                              \
-    switch ((cols_left) < 4 ? (cols_left) : 4) {                                                     \
-    case 1: call(r, 1); break;                                                                       \
-    case 2: call(r, 2); break;                                                                       \
-    case 3: call(r, 3); break;                                                                       \
-    default: call(r, 4); break;                                                                      \
-    }
-#else
-#define COLS_SWITCH(cols_left, call, r)                                                              \
-    switch ((cols_left) < 2 ? (cols_left) : 2) {                                                     \
-    case 1: call(r, 1); break;                                                                       \
-    default: call(r, 2); break;                                                                      \
-    }
-#endif
+/* call(r, cols) with cols = min(cols_left, VALUE_COLS) as a constant */
+#define COLS_SWITCH(cols_left, call, r) SWITCH_UP_TO(VALUE_COLS, cols_left, call, r)
 
 static void tile_values_bf16(const tile_scratch *t, int64_t pairs, int64_t used, int64_t rows, int64_t D) {
     for (int64_t r0 = 0; r0 < used; r0 += VALUE_ROWS)
@@ -653,21 +655,7 @@ static inline __attribute__((always_inline)) void decode_values(const extend_job
 }
 
 /* call(c, heads) with c = min(left, DECODE_CHAINS) and heads = min(heads_left, DECODE_HEADS) as constants */
-#if DECODE_HEADS == 4
-#define HEADS_SWITCH(left, call, c)                                                                 \
-    switch ((left) < 4 ? (left) : 4) {                                                               \
-    case 1: call(c, 1); break;                                                                       \
-    case 2: call(c, 2); break;                                                                       \
-    case 3: call(c, 3); break;                                                                       \
-    default: call(c, 4); break;                                                                      \
-    }
-#else
-#define HEADS_SWITCH(left, call, c)                                                                 \
-    switch ((left) < 2 ? (left) : 2) {                                                               \
-    case 1: call(c, 1); break;                                                                       \
-    default: call(c, 2); break;                                                                      \
-    }
-#endif
+#define HEADS_SWITCH(left, call, c) SWITCH_UP_TO(DECODE_HEADS, left, call, c)
 #define DECODE_SWITCH(left, heads_left, call)                                                       \
     switch ((left) < DECODE_CHAINS ? (left) : DECODE_CHAINS) {                                      \
     case 1: HEADS_SWITCH(heads_left, call, 1) break;                                                 \
@@ -793,15 +781,22 @@ static inline __attribute__((always_inline)) void decode_values_bf16(const uint3
         for (int i = 0; i < c; i++) *(vec *)(o + g * D + d0 + i * VEC) = acc[g][i];
 }
 
-/* Member m's G query heads over the loaded block j0, bf16 products: the probabilities of keys past
-   n (lanes that repeat key n - 1) are zero in the pairs, as a masked key's are in the tiles */
-static void member_block_bf16(const extend_job *a, const decode_scratch *t, int64_t m, int64_t n) {
-    const int64_t G = a->group, D = a->dim, nv = (n + VEC - 1) / VEC, pairs = (n + 1) / 2;
-    const uint32_t *qw = t->qw + m * G * D / 2;
+/* Member m's G query heads over the loaded block j0 (n keys; its values read through `slots`, or
+   with bf16 products from the block's pairs, where the probabilities of keys past n, lanes that
+   repeat key n - 1, are zero as a masked key's are in the tiles). One compiled body for every
+   caller, never given a constant n (`opaque`): a copy specialised for n == BLOCK_KEYS fused other
+   multiplies and adds (the rescaled sum) and changed bits. */
+static __attribute__((noinline)) void member_block(const extend_job *a, const decode_scratch *t, int64_t m,
+                                                  const int64_t *slots, int64_t h, int64_t j0, int64_t n) {
+    const int64_t G = a->group, D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC, pairs = (n + 1) / 2;
+    const float *qs = t->qs + m * G * D;
+    const uint32_t *qw = a->bf16 ? t->qw + m * G * D / 2 : NULL;
     float *o = t->o + m * G * D;
     for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
         for (int64_t u0 = 0; u0 < nv; u0 += DECODE_CHAINS) {
-#define SCORES(c, heads) decode_scores_bf16(t->ktw, qw + g0 * D / 2, D / 2, u0, t->s + g0 * BLOCK_KEYS, c, heads);
+#define SCORES(c, heads)                                                                            \
+    if (a->bf16) decode_scores_bf16(t->ktw, qw + g0 * D / 2, D / 2, u0, t->s + g0 * BLOCK_KEYS, c, heads); \
+    else decode_scores(t->kt, qs + g0 * D, D, u0, t->s + g0 * BLOCK_KEYS, c, heads);
             DECODE_SWITCH(nv - u0, G - g0, SCORES)
 #undef SCORES
         }
@@ -810,45 +805,16 @@ static void member_block_bf16(const extend_job *a, const decode_scratch *t, int6
         HEADS_SWITCH(G - g0, SOFTMAX, 0)
 #undef SOFTMAX
     }
-    for (int64_t g = 0; g < G; g++) {
+    for (int64_t g = 0; a->bf16 && g < G; g++) {
         const float *p = t->s + g * BLOCK_KEYS;
         for (int64_t jp = 0; jp < pairs; jp++)
             t->pw[g * BF16_PAIRS + jp] = bf16_one(p[2 * jp]) | (2 * jp + 1 < n ? bf16_one(p[2 * jp + 1]) << 16 : 0u);
     }
     for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
         for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
-#define VALUES(c, heads) decode_values_bf16(t->vpw, t->pw + g0 * BF16_PAIRS, pairs, D, d0, o + g0 * D, c, heads);
-            DECODE_SWITCH((D - d0) / VEC, G - g0, VALUES)
-#undef VALUES
-        }
-}
-
-/* Member m's G query heads over the loaded block j0 (n keys; its values read through `slots`). One
-   compiled body for every caller, never given a constant n (`opaque`): a copy specialised for n ==
-   BLOCK_KEYS fused other multiplies and adds (the rescaled sum) and changed bits. */
-static __attribute__((noinline)) void member_block(const extend_job *a, const decode_scratch *t, int64_t m,
-                                                  const int64_t *slots, int64_t h, int64_t j0, int64_t n) {
-    if (a->bf16) {
-        member_block_bf16(a, t, m, n);
-        return;
-    }
-    const int64_t G = a->group, D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC;
-    const float *qs = t->qs + m * G * D;
-    float *o = t->o + m * G * D;
-    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
-        for (int64_t u0 = 0; u0 < nv; u0 += DECODE_CHAINS) {
-#define SCORES(c, heads) decode_scores(t->kt, qs + g0 * D, D, u0, t->s + g0 * BLOCK_KEYS, c, heads);
-            DECODE_SWITCH(nv - u0, G - g0, SCORES)
-#undef SCORES
-        }
-    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS) {
-#define SOFTMAX(unused, heads) block_softmax(a, t, m * G + g0, t->s + g0 * BLOCK_KEYS, o + g0 * D, n, nv, heads);
-        HEADS_SWITCH(G - g0, SOFTMAX, 0)
-#undef SOFTMAX
-    }
-    for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
-        for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
-#define VALUES(c, heads) decode_values(a, slots + j0, row, h, t->s + g0 * BLOCK_KEYS, n, d0, o + g0 * D, c, heads);
+#define VALUES(c, heads)                                                                            \
+    if (a->bf16) decode_values_bf16(t->vpw, t->pw + g0 * BF16_PAIRS, pairs, D, d0, o + g0 * D, c, heads); \
+    else decode_values(a, slots + j0, row, h, t->s + g0 * BLOCK_KEYS, n, d0, o + g0 * D, c, heads);
             DECODE_SWITCH((D - d0) / VEC, G - g0, VALUES)
 #undef VALUES
         }
