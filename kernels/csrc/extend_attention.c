@@ -687,11 +687,14 @@ static void prefetch_keys(const extend_job *a, const int64_t *slots, int64_t j, 
 static void load_block(const extend_job *a, const decode_scratch *t, const int64_t *slots, int64_t L, int64_t h,
                        int64_t j0, int64_t n) {
     const int64_t D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC;
+    /* bf16: the block's values are read right after its keys, so keys are fetched a block ahead
+       (a few keys ahead left the value rows' loads waiting on memory) */
+    const int64_t ahead = a->bf16 ? BLOCK_KEYS : PREFETCH_KEYS;
     for (int64_t u = 0; u < nv; u++) {
         const float *k[VEC];
         for (int64_t i = 0; i < VEC; i++) {
             const int64_t j = u * VEC + i;
-            if (j0 + j + PREFETCH_KEYS < L) prefetch_key(a, slots, j0 + j + PREFETCH_KEYS, h);
+            if (j0 + j + ahead < L) prefetch_key(a, slots, j0 + j + ahead, h);
             k[i] = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
         }
         if (!a->bf16) {
@@ -805,10 +808,10 @@ static __attribute__((noinline)) void member_block(const extend_job *a, const de
         HEADS_SWITCH(G - g0, SOFTMAX, 0)
 #undef SOFTMAX
     }
-    for (int64_t g = 0; a->bf16 && g < G; g++) {
-        const float *p = t->s + g * BLOCK_KEYS;
-        for (int64_t jp = 0; jp < pairs; jp++)
-            t->pw[g * BF16_PAIRS + jp] = bf16_one(p[2 * jp]) | (2 * jp + 1 < n ? bf16_one(p[2 * jp + 1]) << 16 : 0u);
+    for (int64_t g = 0; a->bf16 && g < G; g++) { /* consecutive keys' probabilities as pairs, none past n */
+        float *p = t->s + g * BLOCK_KEYS;
+        for (int64_t j = n; j < nv * VEC; j++) p[j] = 0.f;
+        bf16_row(p, (nv * VEC + 2 * VEC - 1) / (2 * VEC) * (2 * VEC), (uint16_t *)(t->pw + g * BF16_PAIRS));
     }
     for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
         for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
