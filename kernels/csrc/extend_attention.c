@@ -369,20 +369,111 @@ static inline int64_t tile_rows(int64_t positions, int64_t group) {
     return (positions * group + VEC - 1) / VEC * VEC;
 }
 
+/* The tile's queries: src[r] is row r's query (padding rows: a zero row), transposed VEC rows at a
+   time into q_t and scaled (and, for bf16 products, paired into qb) */
+static void tile_queries(const extend_job *a, const tile_scratch *t, const float *const *src, int64_t rows) {
+    const int64_t D = a->dim;
+    for (int64_t r0 = 0; r0 < rows; r0 += VEC) transpose_rows(src + r0, D, t->q_t + r0, rows);
+    for (int64_t i = 0; i < D * rows / VEC; i++) ((vec *)t->q_t)[i] *= a->scale;
+    for (int64_t i = 0; a->bf16 && i < D / 2; i++)
+        for (int64_t u = 0; u < rows / VEC; u++)
+            ((wvec *)(t->qb + i * rows))[u] = bf16_pairs(((vec *)(t->q_t + 2 * i * rows))[u],
+                                                         ((vec *)(t->q_t + (2 * i + 1) * rows))[u]);
+}
+
+/* The tile's rows (the first `used` of `rows` real) over key block j0 of `slots` (n keys): scores,
+   the online softmax vectorized across rows (masked by each row's limit and lower bound unless the
+   block is `open`, every row seeing all of it: the masks would all pass, the same bits), the
+   output rescaled and the block's values added. One compiled body for every caller (no copy
+   specialised on a constant n whose multiplies and adds the compiler might fuse otherwise). */
+static __attribute__((noinline)) void tile_block(const extend_job *a, const tile_scratch *t, const int64_t *slots,
+                                                  int64_t h, int64_t j0, int64_t n, int64_t rows, int64_t used,
+                                                  int open) {
+    const int64_t D = a->dim, row = a->hkv * D;
+    const int64_t padded_keys = (n + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
+    for (int64_t j = 0; j < padded_keys; j++) { /* the block's tail repeats its last key, masked below */
+        const int64_t slot = slots[j0 + (j < n ? j : n - 1)];
+        t->keys[j] = a->k_cache + slot * row + h * D;
+        t->values[j] = a->v_cache + slot * row + h * D;
+    }
+    if (a->bf16) {
+        block_to_bf16(t, padded_keys, D);
+        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores_bf16(t, j, rows, D);
+    } else {
+        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
+    }
+    for (int64_t j = 0; j < n && a->softcap > 0; j++)
+        for (int64_t u = 0; u < rows / VEC; u++) ((vec *)(t->s_t + j * rows))[u] = softcap_vec(((vec *)(t->s_t + j * rows))[u], a->softcap);
+    /* online softmax, vectorized across rows: new max, rescale factor, probabilities */
+    vec *restrict mx = (vec *)t->max, *restrict sm = (vec *)t->sum, *restrict corr = (vec *)t->corr;
+    const vec *restrict lim = (const vec *)t->limit, *restrict low = (const vec *)t->lower;
+    const vec none = (vec){0} - INFINITY;
+    const int64_t row_vecs = rows / VEC;
+    for (int64_t u = 0; u < row_vecs; u++) corr[u] = mx[u];
+    for (int64_t j = 0; j < n; j++) {
+        const vec *s = (const vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
+        if (open)
+            for (int64_t u = 0; u < row_vecs; u++) mx[u] = select_vec(s[u] > mx[u], s[u], mx[u]);
+        else
+            for (int64_t u = 0; u < row_vecs; u++)
+                mx[u] = select_vec((key >= low[u]) & (key < lim[u]) & (s[u] > mx[u]), s[u], mx[u]);
+    }
+    for (int64_t u = 0; u < row_vecs; u++) {
+        corr[u] = select_vec(corr[u] == none, (vec){0}, exp_vec(corr[u] - mx[u]));
+        sm[u] *= corr[u];
+    }
+    for (int64_t j = 0; j < padded_keys; j++) {
+        vec *s = (vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
+        if (j >= n)
+            for (int64_t u = 0; u < row_vecs; u++) s[u] = (vec){0}, sm[u] += (vec){0};
+        else if (open)
+            for (int64_t u = 0; u < row_vecs; u++) s[u] = exp_vec(s[u] - mx[u]), sm[u] += s[u];
+        else
+            for (int64_t u = 0; u < row_vecs; u++) {
+                s[u] = select_vec((key >= low[u]) & (key < lim[u]), exp_vec(s[u] - mx[u]), (vec){0});
+                sm[u] += s[u];
+            }
+    }
+    if (a->bf16) { /* o_t is [rows][D] */
+        for (int64_t r = 0; r < used; r++)
+            for (int64_t d = 0; d < D; d++) t->o_t[r * D + d] *= t->corr[r];
+        for (int64_t jp = 0; jp < padded_keys / 2; jp++)
+            for (int64_t u = 0; u < row_vecs; u++)
+                ((wvec *)(t->pb + jp * rows))[u] = bf16_pairs(((vec *)(t->s_t + 2 * jp * rows))[u],
+                                                              ((vec *)(t->s_t + (2 * jp + 1) * rows))[u]);
+        tile_values_bf16(t, padded_keys / 2, used, rows, D);
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) {
+        vec *o = (vec *)(t->o_t + d * rows);
+        for (int64_t u = 0; u < row_vecs; u++) o[u] *= corr[u];
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += KEY_GROUP) tile_values(t, padded_keys, d0, rows);
+}
+
+/* row r's accumulated output feature d (the layouts of the two products) */
+static inline float tile_output(const extend_job *a, const tile_scratch *t, int64_t r, int64_t d, int64_t rows) {
+    return a->bf16 ? t->o_t[r * a->dim + d] : t->o_t[d * rows + r];
+}
+
 /* One task: request b, kv head h, query positions [first, first + count) of the request. */
 static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, int64_t h, int64_t first,
                         int64_t count) {
-    const int64_t G = a->group, D = a->dim, Hq = a->hkv * G, row = a->hkv * D;
+    const int64_t G = a->group, D = a->dim, Hq = a->hkv * G;
     const int64_t used = count * G, rows = tile_rows(count, G);
     const int64_t L = a->kv_lens[b], offset = L - a->q_lens[b];
     const int64_t *slots = a->kv_indices + a->kv_starts[b];
     int64_t keys_end = 0, keys_begin = L, first_end = L, last_begin = 0; /* first_end, last_begin: keys every row sees */
+    const float *src[rows]; /* a VLA: a tile of one position holds a whole GQA group, however large */
+    memset(t->o_t, 0, sizeof(float) * rows * D); /* also the padding rows' zero queries */
     for (int64_t r = 0; r < rows; r++) { /* row r = position first + r / G, query head h * G + r % G */
         if (r < used) {
+            src[r] = a->q + ((a->q_starts[b] + first + r / G) * Hq + h * G + r % G) * D;
             t->limit[r] = (float)(a->causal ? offset + first + r / G + 1 : L);
             const int64_t lower = a->causal && a->window > 0 ? (int64_t)t->limit[r] - a->window : 0;
             t->lower[r] = (float)(lower > 0 ? lower : 0);
         } else { /* padding: zero queries, the last real row's keys (never empty, no extra blocks), never written out */
+            src[r] = t->o_t;
             t->limit[r] = t->limit[used - 1];
             t->lower[r] = t->lower[used - 1];
         }
@@ -393,90 +484,17 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
         t->max[r] = -INFINITY;
         t->sum[r] = 0.f;
     }
-    memset(t->o_t, 0, sizeof(float) * rows * D); /* also the padding rows' zero queries */
-    for (int64_t r0 = 0; r0 < rows; r0 += VEC) { /* the queries transposed, VEC rows at a time, then scaled */
-        const float *src[VEC];
-        for (int64_t i = 0; i < VEC; i++) {
-            const int64_t r = r0 + i;
-            src[i] = r < used ? a->q + ((a->q_starts[b] + first + r / G) * Hq + h * G + r % G) * D : t->o_t;
-        }
-        transpose_rows(src, D, t->q_t + r0, rows);
-    }
-    for (int64_t i = 0; i < D * rows / VEC; i++) ((vec *)t->q_t)[i] *= a->scale;
-    for (int64_t i = 0; a->bf16 && i < D / 2; i++)
-        for (int64_t u = 0; u < rows / VEC; u++)
-            ((wvec *)(t->qb + i * rows))[u] = bf16_pairs(((vec *)(t->q_t + 2 * i * rows))[u],
-                                                         ((vec *)(t->q_t + (2 * i + 1) * rows))[u]);
+    tile_queries(a, t, src, rows);
     /* blocks before every row's window would add exact zeros: skipped, keeping the block grid */
     for (int64_t j0 = keys_begin / BLOCK_KEYS * BLOCK_KEYS; j0 < keys_end; j0 += BLOCK_KEYS) {
         const int64_t n = keys_end - j0 < BLOCK_KEYS ? keys_end - j0 : BLOCK_KEYS;
-        const int64_t padded_keys = (n + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
-        for (int64_t j = 0; j < padded_keys; j++) { /* the block's tail repeats its last key, masked below */
-            const int64_t slot = slots[j0 + (j < n ? j : n - 1)];
-            t->keys[j] = a->k_cache + slot * row + h * D;
-            t->values[j] = a->v_cache + slot * row + h * D;
-        }
-        if (a->bf16) {
-            block_to_bf16(t, padded_keys, D);
-            for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores_bf16(t, j, rows, D);
-        } else {
-            for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
-        }
-        for (int64_t j = 0; j < n && a->softcap > 0; j++)
-            for (int64_t u = 0; u < rows / VEC; u++) ((vec *)(t->s_t + j * rows))[u] = softcap_vec(((vec *)(t->s_t + j * rows))[u], a->softcap);
-        /* online softmax, vectorized across rows: new max, rescale factor, probabilities */
-        vec *restrict mx = (vec *)t->max, *restrict sm = (vec *)t->sum, *restrict corr = (vec *)t->corr;
-        const vec *restrict lim = (const vec *)t->limit, *restrict low = (const vec *)t->lower;
-        const vec none = (vec){0} - INFINITY;
-        const int64_t row_vecs = rows / VEC;
-        /* a block every row sees whole takes no masks (they would all pass: the same bits) */
-        const int open = j0 >= last_begin && j0 + n <= first_end;
-        for (int64_t u = 0; u < row_vecs; u++) corr[u] = mx[u];
-        for (int64_t j = 0; j < n; j++) {
-            const vec *s = (const vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
-            if (open)
-                for (int64_t u = 0; u < row_vecs; u++) mx[u] = select_vec(s[u] > mx[u], s[u], mx[u]);
-            else
-                for (int64_t u = 0; u < row_vecs; u++)
-                    mx[u] = select_vec((key >= low[u]) & (key < lim[u]) & (s[u] > mx[u]), s[u], mx[u]);
-        }
-        for (int64_t u = 0; u < row_vecs; u++) {
-            corr[u] = select_vec(corr[u] == none, (vec){0}, exp_vec(corr[u] - mx[u]));
-            sm[u] *= corr[u];
-        }
-        for (int64_t j = 0; j < padded_keys; j++) {
-            vec *s = (vec *)(t->s_t + j * rows), key = (vec){0} + (float)(j0 + j);
-            if (j >= n)
-                for (int64_t u = 0; u < row_vecs; u++) s[u] = (vec){0}, sm[u] += (vec){0};
-            else if (open)
-                for (int64_t u = 0; u < row_vecs; u++) s[u] = exp_vec(s[u] - mx[u]), sm[u] += s[u];
-            else
-                for (int64_t u = 0; u < row_vecs; u++) {
-                    s[u] = select_vec((key >= low[u]) & (key < lim[u]), exp_vec(s[u] - mx[u]), (vec){0});
-                    sm[u] += s[u];
-                }
-        }
-        if (a->bf16) { /* o_t is [rows][D] */
-            for (int64_t r = 0; r < used; r++)
-                for (int64_t d = 0; d < D; d++) t->o_t[r * D + d] *= t->corr[r];
-            for (int64_t jp = 0; jp < padded_keys / 2; jp++)
-                for (int64_t u = 0; u < row_vecs; u++)
-                    ((wvec *)(t->pb + jp * rows))[u] = bf16_pairs(((vec *)(t->s_t + 2 * jp * rows))[u],
-                                                                  ((vec *)(t->s_t + (2 * jp + 1) * rows))[u]);
-            tile_values_bf16(t, padded_keys / 2, used, rows, D);
-            continue;
-        }
-        for (int64_t d = 0; d < D; d++) {
-            vec *o = (vec *)(t->o_t + d * rows);
-            for (int64_t u = 0; u < row_vecs; u++) o[u] *= corr[u];
-        }
-        for (int64_t d0 = 0; d0 < D; d0 += KEY_GROUP) tile_values(t, padded_keys, d0, rows);
+        tile_block(a, t, slots, h, j0, n, rows, used, j0 >= last_begin && j0 + n <= first_end);
     }
     for (int64_t r = 0; r < used; r++) {
         const int64_t token = a->q_starts[b] + first + r / G, head = h * G + r % G;
         const float inv = 1.f / t->sum[r];
         float *dst = a->out + (token * Hq + head) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = (a->bf16 ? t->o_t[r * D + d] : t->o_t[d * rows + r]) * inv;
+        for (int64_t d = 0; d < D; d++) dst[d] = tile_output(a, t, r, d, rows) * inv;
         if (a->lse) a->lse[token * Hq + head] = t->max[r] + logf(t->sum[r]);
     }
 }
@@ -486,33 +504,45 @@ static void *aligned_floats(int64_t n) {
     return posix_memalign(&p, 64, sizeof(float) * (size_t)(n < 16 ? 16 : n)) ? NULL : p;
 }
 
+/* A tile's scratch for up to `rows` rows; 0, or -1 when memory ran out (whatever was allocated freed) */
+static void tile_scratch_free(tile_scratch *t) {
+    free(t->q_t), free(t->s_t), free(t->o_t), free(t->max), free(t->sum), free(t->limit), free(t->corr);
+    free(t->lower), free(t->keys), free(t->values), free(t->qb), free(t->kb), free(t->vp), free(t->pb);
+}
+
+static int tile_scratch_alloc(tile_scratch *t, int64_t rows, int64_t D, int bf16) {
+    *t = (tile_scratch){aligned_floats(D * rows), aligned_floats(BLOCK_KEYS * rows), aligned_floats(D * rows),
+                        aligned_floats(rows), aligned_floats(rows), aligned_floats(rows), aligned_floats(rows),
+                        aligned_floats(rows), malloc(sizeof(float *) * BLOCK_KEYS),
+                        malloc(sizeof(float *) * BLOCK_KEYS), NULL, NULL, NULL, NULL};
+    if (bf16) /* words are float-sized */
+        t->qb = aligned_floats(D / 2 * rows), t->kb = aligned_floats(BLOCK_KEYS * D / 2),
+        t->vp = aligned_floats(BF16_PAIRS * D), t->pb = aligned_floats(BF16_PAIRS * rows);
+    if (t->q_t && t->s_t && t->o_t && t->max && t->sum && t->limit && t->corr && t->lower && t->keys && t->values
+        && (!bf16 || (t->qb && t->kb && t->vp && t->pb)))
+        return 0;
+    tile_scratch_free(t);
+    return -1;
+}
+
 static void extend_part(void *ctx, int64_t part, int64_t parts) {
     (void)part, (void)parts;
     extend_job *a = (extend_job *)ctx;
-    const int64_t D = a->dim, rows = tile_rows(a->positions_per_tile, a->group);
-    tile_scratch t = {aligned_floats(D * rows), aligned_floats(BLOCK_KEYS * rows), aligned_floats(D * rows),
-                      aligned_floats(rows), aligned_floats(rows), aligned_floats(rows), aligned_floats(rows),
-                      aligned_floats(rows), malloc(sizeof(float *) * BLOCK_KEYS), malloc(sizeof(float *) * BLOCK_KEYS),
-                      NULL, NULL, NULL, NULL};
-    if (a->bf16) /* words are float-sized */
-        t.qb = aligned_floats(D / 2 * rows), t.kb = aligned_floats(BLOCK_KEYS * D / 2),
-        t.vp = aligned_floats(BF16_PAIRS * D), t.pb = aligned_floats(BF16_PAIRS * rows);
-    if (t.q_t && t.s_t && t.o_t && t.max && t.sum && t.limit && t.corr && t.lower && t.keys && t.values
-        && (!a->bf16 || (t.qb && t.kb && t.vp && t.pb))) {
-        int64_t task;
-        while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
-            const int64_t id = a->tasks - 1 - task; /* the last tiles of a request see the most keys */
-            int64_t b = 0;
-            while (a->task_first[b + 1] <= id) b++;
-            const int64_t local = id - a->task_first[b], h = local % a->hkv, tile = local / a->hkv;
-            const int64_t first = tile * a->positions_per_tile, left = a->q_lens[b] - first;
-            attend_tile(a, &t, b, h, first, left < a->positions_per_tile ? left : a->positions_per_tile);
-        }
-    } else {
+    tile_scratch t;
+    if (tile_scratch_alloc(&t, tile_rows(a->positions_per_tile, a->group), a->dim, a->bf16)) {
         a->failed = 1;
+        return;
     }
-    free(t.q_t), free(t.s_t), free(t.o_t), free(t.max), free(t.sum), free(t.limit), free(t.corr), free(t.lower);
-    free(t.keys), free(t.values), free(t.qb), free(t.kb), free(t.vp), free(t.pb);
+    int64_t task;
+    while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
+        const int64_t id = a->tasks - 1 - task; /* the last tiles of a request see the most keys */
+        int64_t b = 0;
+        while (a->task_first[b + 1] <= id) b++;
+        const int64_t local = id - a->task_first[b], h = local % a->hkv, tile = local / a->hkv;
+        const int64_t first = tile * a->positions_per_tile, left = a->q_lens[b] - first;
+        attend_tile(a, &t, b, h, first, left < a->positions_per_tile ? left : a->positions_per_tile);
+    }
+    tile_scratch_free(&t);
 }
 
 static int attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
@@ -838,16 +868,42 @@ static void member_end(const extend_job *a, const decode_scratch *t, int64_t m, 
    blocks among those are loaded and transposed once for all members, then each member goes on
    over its own blocks. Every member's arithmetic is what it would do alone (the same block grid,
    the same sums in the same order), so sharing changes no bit. */
-static void decode_chunk(const extend_job *a, const decode_scratch *t, const int64_t *members, int64_t count,
-                         int64_t shared, int64_t h) {
+/* The chunk's shared whole blocks with its members' query heads as the rows of one tile (the extend
+   kernel's layout: each key feature read once for all of them, the softmax's sums vectorized across
+   rows); each row's arithmetic is member_block's, so its state (max, sum, output) is handed over to
+   the decode scratch as member_block would have left it. */
+static void shared_blocks_as_tile(const extend_job *a, const decode_scratch *t, const tile_scratch *tt,
+                                  const int64_t *members, int64_t count, int64_t h, const int64_t *slots,
+                                  int64_t together) {
+    const int64_t G = a->group, D = a->dim, Hq = a->hkv * G, used = count * G, rows = tile_rows(count, G);
+    const float *src[rows];
+    memset(tt->o_t, 0, sizeof(float) * rows * D); /* also the padding rows' zero queries */
+    for (int64_t r = 0; r < rows; r++) { /* row r = member r / G, query head h * G + r % G */
+        src[r] = r < used ? a->q + (members[r / G] * Hq + h * G + r % G) * D : tt->o_t;
+        tt->max[r] = -INFINITY, tt->sum[r] = 0.f, tt->limit[r] = (float)together, tt->lower[r] = 0.f;
+    }
+    tile_queries(a, tt, src, rows);
+    for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) tile_block(a, tt, slots, h, j0, BLOCK_KEYS, rows, used, 1);
+    for (int64_t r = 0; r < used; r++) { /* the decode scratch's state m * G + g is row r */
+        t->max[r] = tt->max[r], t->sum[r] = tt->sum[r];
+        for (int64_t d = 0; d < D; d++) t->o[r * D + d] = tile_output(a, tt, r, d, rows);
+    }
+}
+
+static void decode_chunk(const extend_job *a, const decode_scratch *t, const tile_scratch *tt,
+                         const int64_t *members, int64_t count, int64_t shared, int64_t h) {
     const int64_t *first = a->kv_indices + a->kv_starts[members[0]];
     const int64_t together = shared / BLOCK_KEYS * BLOCK_KEYS;
     for (int64_t m = 0; m < count; m++) member_begin(a, t, m, members[m], h);
-    prefetch_keys(a, first, 0, a->kv_lens[members[0]], h);
-    for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) {
-        const int64_t n = opaque(BLOCK_KEYS);
-        load_block(a, t, first, together, h, j0, n);
-        for (int64_t m = 0; m < count; m++) member_block(a, t, m, first, h, j0, n);
+    if (tt && count > 1 && together) {
+        shared_blocks_as_tile(a, t, tt, members, count, h, first, together);
+    } else {
+        prefetch_keys(a, first, 0, a->kv_lens[members[0]], h);
+        for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) {
+            const int64_t n = opaque(BLOCK_KEYS);
+            load_block(a, t, first, together, h, j0, n);
+            for (int64_t m = 0; m < count; m++) member_block(a, t, m, first, h, j0, n);
+        }
     }
     for (int64_t m = 0; m < count; m++) {
         const int64_t b = members[m], L = a->kv_lens[b];
@@ -881,18 +937,23 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
         t.qw = aligned_floats(M * G * D / 2), t.ktw = aligned_floats(D / 2 * BLOCK_KEYS),
         t.vpw = aligned_floats(BF16_PAIRS * D), t.pw = aligned_floats(G * BF16_PAIRS),
         t.rows16 = aligned_floats(VEC * D / 2);
-    if (t.qs && t.kt && t.s && t.o && t.max && t.sum && (!a->bf16 || (t.qw && t.ktw && t.vpw && t.pw && t.rows16))) {
+    tile_scratch tt; /* chunks' shared blocks, their members' heads as a tile's rows */
+    const int tiled = sh && M > 1 && tile_scratch_alloc(&tt, tile_rows(M, G), D, a->bf16) == 0;
+    if (t.qs && t.kt && t.s && t.o && t.max && t.sum && (!a->bf16 || (t.qw && t.ktw && t.vpw && t.pw && t.rows16))
+        && (tiled || !sh || M == 1)) {
         int64_t task;
         while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
             const int64_t c = task / a->hkv, h = task % a->hkv;
             if (sh)
-                decode_chunk(a, &t, sh->order + sh->bounds[c], sh->bounds[c + 1] - sh->bounds[c], sh->shared[c], h);
+                decode_chunk(a, &t, tiled ? &tt : NULL, sh->order + sh->bounds[c], sh->bounds[c + 1] - sh->bounds[c],
+                             sh->shared[c], h);
             else
-                decode_chunk(a, &t, &c, 1, 0, h);
+                decode_chunk(a, &t, NULL, &c, 1, 0, h);
         }
     } else {
         a->failed = 1;
     }
+    if (tiled) tile_scratch_free(&tt);
     free(t.qs), free(t.kt), free(t.s), free(t.o), free(t.max), free(t.sum);
     free(t.qw), free(t.ktw), free(t.vpw), free(t.pw), free(t.rows16);
 }
