@@ -71,7 +71,8 @@ class EngineConfig:
     attention_dtype: str = _knob(
         "auto", "products of the native CPU attention kernels: fp32, or bf16 pairs (the same bits on every CPU with "
         "FMA; ~1.4x faster extend attention where the CPU has native bf16); auto: bf16 for a model whose linears run "
-        "low-bit on a CPU with native bf16 (AVX512-BF16 or AMX), fp32 otherwise", ATTENTION_DTYPES)
+        "low-bit on a CPU with native bf16 (AVX512-BF16 or AMX), fp32 otherwise; with batch_invariant off, decode "
+        "rows keep the fp32 split kernel", ATTENTION_DTYPES)
     batch_invariant: bool = _knob(True, "a request's logits never depend on its batch-mates, the cache state or the "
                                   "chunking (CPU native kernels; GPU: Triton's invariant kernels); off: faster "
                                   "shared-prefix / split-K decode and BLAS linears")

@@ -122,8 +122,6 @@ static inline void bf16_row(const float *x, int64_t n, uint16_t *out) {
 }
 #endif
 
-static inline uint32_t bf16_one(float x) { return bf16_bits((vec){0} + x)[0]; }
-
 /* acc + a.odd * b.odd + a.even * b.even per lane, in that order */
 static inline vec dot2(vec acc, wvec a, wvec b) {
 #if defined(__AVX512BF16__) && VEC == 16

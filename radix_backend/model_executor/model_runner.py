@@ -54,7 +54,9 @@ class KernelPath:
     cuda_graph: bool
     activation_bits: int  # of the native low-bit linears, every row
     batch_invariant: bool  # holds here: a row's logits do not depend on its batch-mates, the cache or the chunking
-    attention_bf16: bool = False  # the native attention kernels multiply bf16 pairs (else fp32)
+    # the native attention kernels multiply bf16 pairs (extends and invariant decode rows; with batch
+    # invariance off, decode rows keep the fp32 split kernel), else fp32
+    attention_bf16: bool = False
 
 
 @dataclass
