@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ModelLoadError
+from .file_digest import content_digest
 from .gguf_file import GGUFModel, open_gguf
 from ..paths import cache_dir
 
@@ -163,10 +164,9 @@ def iter_weights(ckpt: Checkpoint, dtype: torch.dtype | None = None,
 
 
 def gguf_cache_path(gguf: Path) -> Path:
-    """Where the converted copy of `gguf` lives: keyed by file name, size and mtime, so a replaced
-    file is converted again while the same file is reused."""
-    stat = gguf.stat()
-    return cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_CACHE_FORMAT}"
+    """Where the converted copy of `gguf` lives: keyed by the file's content, so a replaced file is
+    converted again while the same bytes (another install or copy of one file) are reused."""
+    return cache_dir() / "gguf" / f"{gguf.stem}-{content_digest(gguf)}-v{_CACHE_FORMAT}"
 
 
 def _dir_checkpoint(path: Path, source: str) -> Checkpoint:
@@ -222,8 +222,7 @@ def _gguf_tokenizer(gguf: Path, arch: str) -> PreTrainedTokenizerBase:
     """The GGUF's tokenizer (and chat template), converted by transformers once and cached."""
     from transformers import AutoTokenizer
 
-    stat = gguf.stat()
-    target = cache_dir() / "gguf-tokenizer" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{_TOKENIZER_CACHE_FORMAT}"
+    target = cache_dir() / "gguf-tokenizer" / f"{gguf.stem}-{content_digest(gguf)}-v{_TOKENIZER_CACHE_FORMAT}"
 
     def convert(dest: Path) -> None:
         try:
@@ -283,7 +282,6 @@ def _build_cache_entry(target: Path, build, complete) -> None:
     try:
         log.info("writing %s once (later loads reuse it)", target)
         build(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared by users of one box
         try:
             os.rename(tmp, target)
         except OSError:

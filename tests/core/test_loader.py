@@ -134,18 +134,49 @@ def test_gguf_cache_is_reused_quickly(converted: Checkpoint, tiny_gguf: Path, mo
     assert sorted(p.name for p in converted.path.parent.iterdir() if not p.name.endswith(".lock")) == [converted.path.name]
 
 
-def test_cache_key_follows_file_identity(tiny_gguf: Path, private_cache: Path, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_key_follows_file_content(tiny_gguf: Path, private_cache: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another copy of the same bytes (a fresh install: new path, new mtime) reuses the entry; a
+    file of the same name and size with other bytes gets its own."""
     calls: list[Path] = []
     monkeypatch.setattr(loader, "_convert_gguf", fake_converter(calls))
     first = hf_directory(resolve_checkpoint(tiny_gguf))
     assert first.parent.parent == private_cache and first.name.startswith("tiny-llama-")
     copy = tmp_path / "tiny-llama.gguf"
     copy.write_bytes(tiny_gguf.read_bytes())
-    os.utime(copy, ns=(1_000_000_000, 1_000_000_000))  # same name and size, other mtime: a new entry
-    second = hf_directory(resolve_checkpoint(copy))
+    os.utime(copy, ns=(1_000_000_000, 1_000_000_000))
+    assert hf_directory(resolve_checkpoint(copy)) == first and len(calls) == 1
+    other = tmp_path / "other" / "tiny-llama.gguf"
+    other.parent.mkdir()
+    write_tiny_gguf(other, seed=1)
+    assert other.stat().st_size == tiny_gguf.stat().st_size
+    second = hf_directory(resolve_checkpoint(other))
     assert second != first and len(calls) == 2
-    assert hf_directory(resolve_checkpoint(copy)) == second and len(calls) == 2
+    assert hf_directory(resolve_checkpoint(other)) == second and len(calls) == 2
+
+
+def test_content_digest_reads_a_file_once_per_identity(tmp_path: Path, private_cache: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from radix_backend.model_executor import file_digest
+
+    reads: list[Path] = []
+    real = file_digest._hash_file
+    monkeypatch.setattr(file_digest, "_hash_file", lambda path: reads.append(path) or real(path))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"x" * 5_000_000)
+    digest = file_digest.content_digest(path)
+    assert file_digest.content_digest(path) == digest and len(reads) == 1
+    memos = list((private_cache / "digests").iterdir())
+    assert [m.stat().st_mode & 0o777 for m in memos] == [0o600]
+    assert (private_cache / "digests").stat().st_mode & 0o777 == 0o700
+    os.utime(path, ns=(2_000_000_000, 2_000_000_000))  # touched: hashed again, same digest
+    assert file_digest.content_digest(path) == digest and len(reads) == 2
+    path.write_bytes(b"y" * 5_000_000)  # rewritten in place: a new identity and a new digest
+    os.utime(path, ns=(3_000_000_000, 3_000_000_000))
+    assert file_digest.content_digest(path) != digest and len(reads) == 3
+    changed = file_digest.content_digest(path)
+    file_digest._memo_path(path).write_text("garbage")  # a damaged memo is recomputed, never trusted
+    assert file_digest.content_digest(path) == changed and len(reads) == 4
 
 
 def test_concurrent_first_use_converts_once(tiny_gguf: Path, private_cache: Path,
