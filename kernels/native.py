@@ -3,7 +3,7 @@
 A CPU decode step is dominated by many small torch ops and by gathering K/V out of the paged pool;
 the C kernels read the pool in place and fuse the element-wise ops (see the C file). The source is
 plain C, so the system C compiler (`$CC`, else `cc`) builds it in well under a second with
-`-O3 -march=native`; the library is cached under the user cache dir keyed by the source, the flags,
+`-O3 -march=native` (or the lower x86 level `RADIX_BACKEND_CPU_ISA` names, see cpu_isa.py); the library is cached under the user cache dir keyed by the source, the flags,
 the compiler and the CPU, so later processes only load it. Without a compiler, or with the kernel
 settings' `native` off (`EngineConfig.native_kernels`), `available()` is False (a missing compiler is
 logged once) and callers keep their torch path, which stays the reference the kernels are tested
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from . import settings
+from . import cpu_isa, settings
 from . import shared_prefix as sp
 from .user_cache import CACHE_ENV, cache_dir
 
@@ -41,6 +41,12 @@ SOURCES = (CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "decode_s
 HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "moe.h", CSRC / "q16.h", CSRC / "q4.h",
            CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
+
+
+def target_flags() -> tuple[str, ...]:
+    """FLAGS with the instruction set the environment targets (cpu_isa.py: this CPU's by default)."""
+    march = cpu_isa.march_flag()
+    return tuple(march if flag == "-march=native" else flag for flag in FLAGS)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -91,9 +97,11 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-def build(compiler: str, out_dir: Path, flags: tuple[str, ...] = FLAGS) -> Path:
+def build(compiler: str, out_dir: Path, flags: tuple[str, ...] | None = None) -> Path:
     """Compile the kernels into `out_dir` (reused when the same build exists) and return the path.
-    `flags` other than FLAGS serve the tests, which build the AVX2 and portable code paths too."""
+    `flags` (default: `target_flags()`) other than FLAGS serve the tests, which build the AVX2 and
+    portable code paths too."""
+    flags = target_flags() if flags is None else flags
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_identity()]).encode())

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import ggml, native, ops, q4, q8, settings
+from . import cpu_isa, ggml, native, ops, q4, q8, settings
 from .q4 import GROUP_SIZE
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
@@ -249,9 +249,11 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})  # CPU flags of nativ
 
 
 def has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16 among its flags); `cpuinfo`:
-    the text of a /proc/cpuinfo, else this machine's."""
-    return bool((_cpu_flags() if cpuinfo is None else _flags_of(cpuinfo)) & NATIVE_BF16_FLAGS)
+    """Whether the CPU computes bf16 natively (AVX512-BF16 or AMX-BF16 among its flags, as the
+    targeted instruction set sees them: cpu_isa.py); `cpuinfo`: the text of a /proc/cpuinfo, else
+    this machine's."""
+    flags = _cpu_flags() if cpuinfo is None else _flags_of(cpuinfo)
+    return bool(cpu_isa.visible_flags(flags) & NATIVE_BF16_FLAGS)
 
 
 def _cpu_flags() -> set[str]:

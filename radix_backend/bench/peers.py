@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..kernels.cpu_isa import ISA_ENV, isa_environment
 from ..kernels.quant import has_native_bf16
 from ..model_executor.loader import embedded_gguf_path, hf_directory, load_tokenizer, resolve_checkpoint
 from . import workloads as wl
@@ -225,7 +227,8 @@ def same_precision_reference(results: dict[str, dict]) -> str | None:
 
 def format_table(results: dict[str, dict]) -> str:
     cpu = next(iter(results.values()))["cpu"]
-    lines = [f"CPU: {cpu}"]
+    isa = os.environ.get(ISA_ENV, "native")
+    lines = [f"CPU: {cpu}" + ("" if isa == "native" else f" (kernels and torch held to {isa})")]
     for interface, title in INTERFACES.items():
         names = [n for n, p in PEERS.items() if n in results and p.interface == interface]
         if names:
@@ -290,7 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers-dir", default=".peers", help="folder holding the peers' venvs")
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (peer 'llamaserver')")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one system may take")
+    parser.add_argument("--cpu-isa", choices=("native", "avx2", "portable"), default="native",
+                        help="hold our kernels and every peer's torch to a lower x86 level, as on an older CPU "
+                             "(vLLM then runs its dtype for that CPU; pass --llama-server a binary built for it)")
     args = parser.parse_args(argv)
+    if args.cpu_isa != "native":  # inherited by every driver process (they import torch afresh)
+        os.environ.update(isa_environment(args.cpu_isa))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in PEERS]
     if unknown:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radix_backend.kernels import AttentionMetadata, create_attention_backend, native, quant, settings
+from radix_backend.kernels import AttentionMetadata, cpu_isa, create_attention_backend, native, quant, settings
 from radix_backend.kernels.ops import triton_available
 
 from ..mem_cache.kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
@@ -57,6 +57,7 @@ class KernelPath:
     # the native attention kernels multiply bf16 pairs (extends and invariant decode rows; with batch
     # invariance off, decode rows keep the fp32 split kernel), else fp32
     attention_bf16: bool = False
+    cpu_isa: str = "native"  # the instruction set the native CPU kernels target (RADIX_BACKEND_CPU_ISA)
 
 
 @dataclass
@@ -193,7 +194,8 @@ class ModelRunner:
                           cuda_graph=self.graph_runner is not None,
                           activation_bits=settings.current().activation_bits,
                           batch_invariant=self._batch_invariant(attention, layer_ops),
-                          attention_bf16=settings.current().attention_bf16)
+                          attention_bf16=settings.current().attention_bf16,
+                          cpu_isa=cpu_isa.target() if self.device.type == "cpu" else "n/a")
 
     def _attention_bf16(self, requested: str) -> bool:
         """Whether the native attention kernels multiply bf16 pairs: asked for, or (auto) for a model

@@ -1,0 +1,55 @@
+"""Which instruction set the CPU kernels target: this CPU's own, or a lower x86 level on request.
+
+Kernels are chosen from the CPU's features, never timed. `RADIX_BACKEND_CPU_ISA` lowers the
+target below what the CPU has, so one machine can run (and measure) what an older one runs:
+
+- `native` (default): `-march=native`, every feature /proc/cpuinfo lists;
+- `avx2`: `-march=haswell` (AVX2 + FMA, no VNNI, no AVX-512, no native bf16);
+- `portable`: `-march=x86-64` (SSE2 only).
+
+The features the Python side reads (native bf16 for attention and dense matmuls) follow the same
+target. torch picks its own kernels: hold it to the same level with `ATEN_CPU_CAPABILITY=avx2`
+(or `default`) set before torch is imported (`isa_environment` gives both variables).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+ISA_ENV = "RADIX_BACKEND_CPU_ISA"
+_MARCH = {"native": "native", "avx2": "haswell", "portable": "x86-64"}
+_ATEN_CAPABILITY = {"avx2": "avx2", "portable": "default"}
+# flags a lowered target drops from the CPU's list (prefixes)
+_DROPPED = {"avx2": ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx_vnni_int8"),
+            "portable": ("avx", "amx", "fma", "f16c", "bmi", "sse3", "ssse3", "sse4", "pni", "popcnt", "movbe")}
+
+
+def target() -> str:
+    """The target named by the environment (`native` when unset); an unknown name is an error."""
+    name = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
+    if name not in _MARCH:
+        raise ValueError(f"{ISA_ENV}={name!r}: expected one of {', '.join(_MARCH)}")
+    if name != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ValueError(f"{ISA_ENV}={name!r} names an x86 level; this CPU is {platform.machine()}")
+    return name
+
+
+def march_flag() -> str:
+    return f"-march={_MARCH[target()]}"
+
+
+def visible_flags(flags: set[str]) -> set[str]:
+    """The CPU's feature flags as the kernels may use them under the current target."""
+    dropped = _DROPPED.get(target(), ())
+    return {flag for flag in flags if not flag.startswith(dropped)}
+
+
+def isa_environment(name: str) -> dict[str, str]:
+    """Environment variables that hold both our kernels and torch's to `name` (for child processes)."""
+    if name not in _MARCH:
+        raise ValueError(f"unknown CPU ISA {name!r}: expected one of {', '.join(_MARCH)}")
+    env = {ISA_ENV: name}
+    if name in _ATEN_CAPABILITY:
+        env["ATEN_CPU_CAPABILITY"] = _ATEN_CAPABILITY[name]
+    return env
