@@ -8,8 +8,10 @@ target below what the CPU has, so one machine can run (and measure) what an olde
 - `portable`: `-march=x86-64` (SSE2 only).
 
 The features the Python side reads (native bf16 for attention and dense matmuls) follow the same
-target. torch picks its own kernels: hold it to the same level with `ATEN_CPU_CAPABILITY=avx2`
-(or `default`) set before torch is imported (`isa_environment` gives both variables).
+target. torch picks its own kernels: hold it to the same level with `ATEN_CPU_CAPABILITY=avx2`,
+`ONEDNN_MAX_CPU_ISA=AVX2` and `MKL_ENABLE_INSTRUCTIONS=AVX2` set before torch is imported
+(`isa_environment` gives them all). Other libraries that read the hardware themselves (vLLM's own
+C++ kernels check for AVX-512) are not held.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import platform
 
 ISA_ENV = "RADIX_BACKEND_CPU_ISA"
 _MARCH = {"native": "native", "avx2": "haswell", "portable": "x86-64"}
-_ATEN_CAPABILITY = {"avx2": "avx2", "portable": "default"}
+# what holds torch to the same level: its own kernels, oneDNN's and MKL's GEMMs
+_TORCH_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+              "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                           "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}}
 # flags a lowered target drops from the CPU's list (prefixes)
 _DROPPED = {"avx2": ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx_vnni_int8"),
             "portable": ("avx", "amx", "fma", "f16c", "bmi", "sse3", "ssse3", "sse4", "pni", "popcnt", "movbe")}
@@ -49,7 +54,4 @@ def isa_environment(name: str) -> dict[str, str]:
     """Environment variables that hold both our kernels and torch's to `name` (for child processes)."""
     if name not in _MARCH:
         raise ValueError(f"unknown CPU ISA {name!r}: expected one of {', '.join(_MARCH)}")
-    env = {ISA_ENV: name}
-    if name in _ATEN_CAPABILITY:
-        env["ATEN_CPU_CAPABILITY"] = _ATEN_CAPABILITY[name]
-    return env
+    return {ISA_ENV: name, **_TORCH_ENV.get(name, {})}

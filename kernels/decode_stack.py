@@ -122,17 +122,22 @@ class DecodeStack:
             native.check_softcap(w.softcap, head_dim)
             s.softcap = w.softcap or 0.0
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._kv16 = False  # the bound pool holds bf16 rows
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Point the layers at this K/V pool; False (nothing bound) when the kernel cannot read it."""
         if self._bound is kv_caches:
             return True
-        if len(kv_caches) != len(self.layers) or not all(
-                c.dtype == torch.float32 and c.device.type == "cpu" and c.is_contiguous() for kv in kv_caches for c in kv):
+        dtypes = {c.dtype for kv in kv_caches for c in kv}
+        if len(kv_caches) != len(self.layers) or len(dtypes) != 1 or not dtypes <= set(native.POOL_DTYPES) or not all(
+                c.device.type == "cpu" and c.is_contiguous() for kv in kv_caches for c in kv):
+            return False
+        if dtypes == {torch.bfloat16} and not native.bf16_attention_dim_ok(self._dims.head_dim):
             return False
         for s, (k, v) in zip(self._structs, kv_caches):
             s.k_cache, s.v_cache = k.data_ptr(), v.data_ptr()
         self._bound = kv_caches
+        self._kv16 = dtypes == {torch.bfloat16}
         return True
 
     def run(self, embeddings: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
@@ -143,7 +148,8 @@ class DecodeStack:
         [T, hidden], whose sum the model's final norm takes; the linears use `threads` threads and
         take their inputs as `activation_bits` integers (see `q4_matmul`); `invariant`: attention gives
         each row the extend kernel's bits (`native.decode_attention`), reading the keys of `sharing`'s
-        chunks once per chunk; `attention_bf16` (with `invariant`): its products in bf16 pairs.
+        chunks once per chunk; `attention_bf16` (with `invariant`, or a bf16 pool, which needs it): its
+        products in bf16 pairs.
         `bind` must have succeeded."""
         native.check_activation_bits(activation_bits)
         residual = embeddings.float().contiguous().clone()
@@ -151,7 +157,10 @@ class DecodeStack:
         args = [t.to(torch.int64).contiguous() for t in (positions, out_slots, kv_indices, starts, lens)]
         if sharing is not None:
             sharing.check(args[-1])
-        self._dims.attention_bf16 = int(attention_bf16 and invariant)
+        if self._kv16 and not attention_bf16:
+            raise ValueError("a bf16 KV pool is read with bf16 attention products only")
+        # a bf16 pool: every row attends with the invariant kernel, which reads it
+        self._dims.attention_bf16 = native.KV16_POOL if self._kv16 else int(attention_bf16 and invariant)
         rc = native.library().rb_decode_stack(self._structs, len(self.layers), ctypes.byref(self._dims),
                                               residual.shape[0], *(a.data_ptr() for a in args),
                                               ctypes.byref(sharing.struct) if sharing is not None else None,

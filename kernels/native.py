@@ -57,6 +57,7 @@ _SIGNATURES = {
                             ctypes.c_int),
     "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _F, _P,
                                     _P, _I, _I], ctypes.c_int),
+    "rb_round_bf16": ([_P, _I, _P], None),
     "rb_add_rms_norm_threads": ([_P, _P, _P, _I, _I, _F, _P, _P, _I], None),
     "rb_rope_threads": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "rb_silu_and_mul_threads": ([_P, _I, _I, _P, _I], None),
@@ -210,17 +211,41 @@ def check_ranges(name: str, starts: torch.Tensor, lens: torch.Tensor, total: int
         raise ValueError(f"{name} ranges fall outside their {total} entries")
 
 
-def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
-    """(query heads, kv heads) after checking q [T, Hq, D] against the caches [slots, Hkv, D]."""
+KV16_POOL = 2  # the kernels' `bf16` argument for a pool of bf16 rows (cpu_kernels.h)
+POOL_DTYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read a pool in
+
+
+def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     bf16: bool = False) -> tuple[int, int, int]:
+    """(query heads, kv heads, the kernels' `bf16` mode) after checking q [T, Hq, D] against the
+    caches [slots, Hkv, D]: fp32, or bf16 rows (which only the bf16 products read, rounded as they
+    are: the same bits as the fp32 pool they were rounded from)."""
     check_float32("q", q, 3)
-    check_float32("k_cache", k_cache, 3)
-    check_float32("v_cache", v_cache, 3)
-    if k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype not in POOL_DTYPES or cache.device.type != "cpu" or cache.dim() != 3:
+            raise ValueError(f"{name} must be a 3-d fp32 or bf16 CPU tensor, got {cache.dim()}-d {cache.dtype} "
+                             f"on {cache.device}")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or not (
+            k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape and dtype")
+    kv16 = k_cache.dtype == torch.bfloat16
+    if kv16 and not bf16:
+        raise ValueError("a bf16 KV pool is read with bf16 products only (bf16=True)")
     hq, hkv = q.shape[1], k_cache.shape[1]
     if q.shape[2] != k_cache.shape[2] or hkv == 0 or hq % hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} (head size, GQA groups)")
-    return hq, hkv
+    return hq, hkv, KV16_POOL if kv16 else int(bf16)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32, CPU) rounded to bf16 exactly as the attention kernels' bf16 products round it (to
+    nearest even, denormals to signed zero): what a bf16 KV pool stores."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"round_bf16 takes an fp32 CPU tensor, got {x.dtype} on {x.device}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    library().rb_round_bf16(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
 
 
 # ---- decode rows that begin with the same keys ---------------------------------------------------
@@ -295,7 +320,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `softcap` (Gemma 2): scores capped as softcap * tanh(s / softcap); the invariant kernel runs it.
     `sharing` (invariant kernel): chunks of requests that begin with the same slots, read once.
     `bf16` (invariant kernel, head sizes that are multiples of 32): the extend kernel's bf16 products."""
-    hq, hkv = _check_attention(q, k_cache, v_cache)
+    hq, hkv, mode = _check_attention(q, k_cache, v_cache, bf16)
     batch, _, dim = q.shape
     check_softcap(softcap, dim)
     _check_bf16(bf16, dim)
@@ -308,12 +333,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty(batch, hq, dtype=torch.float32) if with_lse else None
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), starts.data_ptr(),
             lens.data_ptr(), batch, hkv, hq // hkv, dim, scale)
-    if (invariant or softcap) and extend_attention_dim_ok(dim):
+    if (invariant or softcap or mode == KV16_POOL) and extend_attention_dim_ok(dim):  # a bf16 pool: this kernel
         if sharing is not None:
             sharing.check(lens)
         shared = ctypes.byref(sharing.struct) if sharing is not None else None
         rc = library().rb_decode_attention_invariant(*args, softcap or 0.0, shared, out.data_ptr(), _ptr(lse),
-                                                     threads, int(bf16))
+                                                     threads, mode)
     else:
         rc = library().rb_decode_attention(*args, out.data_ptr(), _ptr(lse), threads)
     if rc != 0:
@@ -358,7 +383,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     returns (out [T, Hq, D], lse [T, Hq] or None)."""
     if window is not None and (not causal or window < 1):
         raise ValueError(f"a sliding window needs causal attention and window >= 1, got window={window!r}")
-    hq, hkv = _check_attention(q, k_cache, v_cache)
+    hq, hkv, mode = _check_attention(q, k_cache, v_cache, bf16)
     tokens, _, dim = q.shape
     check_softcap(softcap, dim)
     _check_bf16(bf16, dim)
@@ -377,7 +402,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rc = library().rb_extend_attention_window(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), q_starts.data_ptr(),
         q_lens.data_ptr(), kv_starts.data_ptr(), kv_lens.data_ptr(), len(q_lens), hkv, hq // hkv, dim, scale,
-        int(causal), window or 0, softcap or 0.0, out.data_ptr(), _ptr(lse), threads, int(bf16))
+        int(causal), window or 0, softcap or 0.0, out.data_ptr(), _ptr(lse), threads, mode)
     if rc == -2:
         raise ValueError(f"extend attention needs a head size that is a multiple of 16, got {dim}")
     if rc != 0:

@@ -8,7 +8,9 @@ would change bits, the invariant kernel reads such a prefix once per chunk of it
 whole context in one call (no shared-prefix pass: the kernel loads each block of keys once for a
 tile of query rows, so a shared prefix costs the same arithmetic as the torch path's shared
 product, without its gathers). A batch the kernels cannot take (a bf16 pool, a head size they do
-not handle) runs the torch path, which stays the reference they are tested against.
+not handle) runs the torch path, which stays the reference they are tested against. With bf16
+products the pool may hold bf16 rows (the model runner's choice): the kernels read them as the
+products would round the fp32 rows, the same bits at half the bytes.
 """
 
 from __future__ import annotations
@@ -82,9 +84,17 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def _reads_pool(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: NativePlan) -> bool:
-        """The native kernels can read this layer's pool (fp32, contiguous) at this head size."""
-        return (native.supports(q, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and (native.extend_attention_dim_ok(q.shape[-1]) or not plan.extend))
+        """The native kernels can read this layer's pool (`_reads_cache`) at this head size."""
+        return _reads_cache(q, k_cache, v_cache) and (native.extend_attention_dim_ok(q.shape[-1]) or not plan.extend)
+
+    @staticmethod
+    def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """fp32 rows into a bf16 pool are rounded as the bf16 products round them (denormals to
+        zero), so the pool holds exactly what the products of an fp32 pool would use."""
+        if k_cache.dtype == torch.bfloat16 and k.dtype == torch.float32 and k.device.type == "cpu" and native.available():
+            k, v = native.round_bf16(k), native.round_bf16(v)
+        TorchAttentionBackend.store_kv(k, v, k_cache, v_cache, meta)
 
     # ---- attention --------------------------------------------------------------------------
     def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: Plan, planned: bool,
@@ -118,8 +128,7 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
         its last `window` keys, an extend masks the keys before each row's window, and both cap
         every score in the kernel (head sizes that are multiples of 16). What the kernels cannot
         read takes the plain-torch path."""
-        if not (self._reads_slot_table(meta) and native.supports(q, k_cache, v_cache) and k_cache.is_contiguous()
-                and v_cache.is_contiguous()) or (mask.softcap is not None and not native.extend_attention_dim_ok(q.shape[-1])):
+        if not (self._reads_slot_table(meta) and _reads_cache(q, k_cache, v_cache)) or (mask.softcap is not None and not native.extend_attention_dim_ok(q.shape[-1])):
             return super()._attend_masked(q, k_cache, v_cache, meta, scale, mask)
         window = mask.window
         if not meta.is_decode:
@@ -168,3 +177,12 @@ def _bf16(q: torch.Tensor) -> bool:
     """Whether this engine's attention products are bf16 pairs (the kernel settings; head sizes
     that are multiples of 32)."""
     return settings.current().attention_bf16 and native.bf16_attention_dim_ok(q.shape[-1])
+
+
+def _reads_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The kernels read this pool in place: fp32, or bf16 rows with bf16 products (the only way
+    they read those: the bits of the fp32 pool the rows were rounded from); contiguous."""
+    if not (native.supports(q) and k_cache.device.type == "cpu" and k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    return k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and _bf16(q))

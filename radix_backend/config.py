@@ -27,6 +27,7 @@ DTYPE_NAMES = ("auto", *TORCH_DTYPES)
 QUANTIZATION_MODES = ("auto", "none", "int4", "int8")
 ACTIVATION_BITS = (8, 16)
 ATTENTION_DTYPES = ("auto", "fp32", "bf16")
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")  # the order of waiting requests (see scheduler/admission.py)
 
 
@@ -72,7 +73,11 @@ class EngineConfig:
         "auto", "products of the native CPU attention kernels: fp32, or bf16 pairs (the same bits on every CPU with "
         "FMA; ~1.4x faster extend attention where the CPU has native bf16); auto: bf16 for a model whose linears run "
         "low-bit on a CPU with native bf16 (AVX512-BF16 or AMX), fp32 otherwise; with batch_invariant off, decode "
-        "rows keep the fp32 split kernel", ATTENTION_DTYPES)
+        "rows keep the fp32 split kernel (the bf16 pool aside)", ATTENTION_DTYPES)
+    kv_cache_dtype: str = _knob(
+        "auto", "the KV pool's rows on the CPU: auto = bf16 where the attention products are bf16 (they round every K "
+        "and V to bf16 anyway: the same bits at half the memory and reads), else the model's dtype; fp32 keeps an fp32 "
+        "pool; bf16 needs bf16 attention products", KV_CACHE_DTYPES)
     batch_invariant: bool = _knob(True, "a request's logits never depend on its batch-mates, the cache state or the "
                                   "chunking (CPU native kernels; GPU: Triton's invariant kernels); off: faster "
                                   "shared-prefix / split-K decode and BLAS linears")
@@ -139,6 +144,7 @@ ENV_KNOBS = {
     "activation_bits": "RADIX_BACKEND_ACTIVATION_BITS",
     "batch_invariant": "RADIX_BACKEND_BATCH_INVARIANT",
     "attention_dtype": "RADIX_BACKEND_ATTENTION_DTYPE",
+    "kv_cache_dtype": "RADIX_BACKEND_KV_CACHE_DTYPE",
     "speculative": "RADIX_BACKEND_SPECULATIVE",
     "tp_timeout_s": "RADIX_TP_TIMEOUT_S",
     "tp_startup_timeout_s": "RADIX_TP_STARTUP_TIMEOUT_S",

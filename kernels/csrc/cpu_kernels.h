@@ -26,6 +26,11 @@ int rb_decode_attention_invariant(const float *q, const float *k_cache, const fl
                               int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float softcap,
                               const rb_key_sharing *sharing, float *out, float *lse, int64_t threads,
                               int64_t bf16);
+/* The attention kernels' `bf16` argument: 0 fp32 products, 1 bf16 products over an fp32 pool,
+   KV16_POOL bf16 products over a pool of bf16 rows (k_cache and v_cache then point at uint16_t). */
+#define KV16_POOL 2
+/* out[0 .. n) = the bf16 of x[0 .. n) as the bf16 products round it: what a bf16 pool stores */
+void rb_round_bf16(const float *x, int64_t n, uint16_t *out);
 int rb_extend_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts,
                         const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,

@@ -21,7 +21,7 @@ typedef struct {
     const float *input_norm, *post_norm; /* [hidden] RMSNorm weights before attention and MLP, or both
                                             NULL (OLMo 2: the stream enters both unnormed) */
     rb_q4_weight qkv, o, gate_up, down;  /* qkv: q, k, v heads stacked; gate_up: gate, up */
-    float *k_cache, *v_cache;            /* this layer's pool [slots, kv_heads, head_dim] */
+    float *k_cache, *v_cache;            /* this layer's pool [slots, kv_heads, head_dim]: fp32, or bf16 (KV16_POOL) */
     const float *q_norm, *k_norm;        /* RMSNorm weights before RoPE, or NULL: [head_dim] per head, or
                                             with `qk_norm_whole` [heads * head_dim] over the projection */
     int64_t qk_norm_whole;               /* OLMo 2: q and k normed over all heads at once */
@@ -41,7 +41,8 @@ typedef struct {
     const float *cos_sin; /* [positions, rot]: cos half, sin half (neox RoPE) */
     int64_t rot;          /* rotated features per head (<= head_dim: partial rotary passes the rest) */
     float out_scale;      /* Granite's residual multiplier on the attention and MLP outputs (else 1) */
-    int64_t attention_bf16; /* invariant attention's products in bf16 pairs (extend_attention.c) */
+    int64_t attention_bf16; /* invariant attention's products in bf16 pairs (extend_attention.c): 1, or
+                               KV16_POOL when the pool holds bf16 rows (then every row attends that way) */
 } rb_decoder_dims;
 
 static inline int64_t max4(int64_t a, int64_t b, int64_t c, int64_t d) {
@@ -90,7 +91,8 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             shared = layers[l].moe->shared_intermediate > shared ? layers[l].moe->shared_intermediate : shared;
         }
     const int64_t widest = max4(H, I, q_size, shared); /* of the linears' inputs */
-    float *scratch = (float *)malloc(sizeof(float) * T * (H + qkv_size + 2 * q_size + 3 * I + experts + 3 * shared + H + 1));
+    float *scratch = (float *)malloc(sizeof(float) * (T * (H + qkv_size + 2 * q_size + 3 * I + experts + 3 * shared + H + 1)
+                                                      + kv_size));
     int64_t *picks = (int64_t *)malloc(sizeof(int64_t) * T * (top_k * 2 + 2) + 1); /* ids, fp32 weights; windows */
     q4_activations quantized;
     if (!scratch || !picks || q4_activations_alloc(&quantized, T, widest, (int)(activation_bits / 8))) {
@@ -101,6 +103,7 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
     float *gate_up = attn + T * q_size, *act = gate_up + T * 2 * I, *route = act + T * I;
     float *shared_gate_up = route + T * experts, *shared_act = shared_gate_up + T * 2 * shared;
     float *shared_out = shared_act + T * shared, *shared_logit = shared_out + T * H;
+    float *k_row = shared_logit + T; /* one token's keys before they are rounded into a bf16 pool */
     int rc = 0;
     for (int64_t l = 0; l < n_layers && rc == 0; l++) {
         const rb_decoder_layer *L = layers + l;
@@ -120,6 +123,13 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
         rb_rope(qkv, qkv_size, T, d->heads, D, positions, cos_sin, d->rot, q);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_size;
+            if (d->attention_bf16 == KV16_POOL) { /* rounded as the attention products round them */
+                uint16_t *k16 = (uint16_t *)L->k_cache + out_slots[t] * kv_size;
+                rb_rope(row + q_size, qkv_size, 1, d->kv_heads, D, positions + t, cos_sin, d->rot, k_row);
+                rb_round_bf16(k_row, kv_size, k16);
+                rb_round_bf16(row + q_size + kv_size, kv_size, (uint16_t *)L->v_cache + out_slots[t] * kv_size);
+                continue;
+            }
             rb_rope(row + q_size, qkv_size, 1, d->kv_heads, D, positions + t, cos_sin, d->rot,
                     L->k_cache + out_slots[t] * kv_size);
             memcpy(L->v_cache + out_slots[t] * kv_size, row + q_size + kv_size, sizeof(float) * kv_size);
@@ -134,7 +144,8 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
             }
             layer_starts = ws, layer_lens = wl, layer_sharing = NULL;
         }
-        if ((invariant || L->softcap > 0) && D % 16 == 0) /* soft-capped scores: this kernel only */
+        /* soft-capped scores and a bf16 pool: this kernel only */
+        if ((invariant || L->softcap > 0 || d->attention_bf16 == KV16_POOL) && D % 16 == 0)
             rc = rb_decode_attention_invariant(q, L->k_cache, L->v_cache, kv_indices, layer_starts, layer_lens, T,
                                                d->kv_heads, d->heads / d->kv_heads, D, d->scale, L->softcap, layer_sharing,
                                                attn, NULL, threads, d->attention_bf16);

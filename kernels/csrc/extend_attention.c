@@ -122,6 +122,44 @@ static inline void bf16_row(const float *x, int64_t n, uint16_t *out) {
 }
 #endif
 
+/* A pool of bf16 rows (`bf16` == KV16) holds exactly what the products above round the fp32 pool's
+   rows to, so reading it gives the same bits at half the bytes. */
+#define KV16 KV16_POOL
+
+/* the pool's row at element `offset`: fp32 elements, or bf16 ones for a bf16 pool */
+static inline const float *pool_at(const float *cache, int bf16, int64_t offset) {
+    return bf16 == KV16 ? (const float *)((const uint16_t *)cache + offset) : cache + offset;
+}
+
+/* a pool row of D features as bf16 words (copied from a bf16 pool, rounded from an fp32 one) */
+static inline void row_to_bf16(const float *row, int bf16, int64_t D, uint16_t *out) {
+    if (bf16 == KV16)
+        memcpy(out, row, sizeof(uint16_t) * D);
+    else
+        bf16_row(row, D, out);
+}
+
+/* features d .. d + VEC of two pool rows as (even, odd) pairs */
+static inline wvec pairs_at(const float *even, const float *odd, int bf16, int64_t d) {
+    if (bf16 != KV16) return bf16_pairs(load_vec(even + d), load_vec(odd + d));
+    hvec e, o;
+    memcpy(&e, (const uint16_t *)even + d, sizeof e), memcpy(&o, (const uint16_t *)odd + d, sizeof o);
+    return __builtin_convertvector(e, wvec) | (__builtin_convertvector(o, wvec) << 16);
+}
+
+/* out[0 .. n) = the bf16 of x[0 .. n), any n: what a bf16 pool stores (the products' rounding) */
+void rb_round_bf16(const float *x, int64_t n, uint16_t *out) {
+    const int64_t whole = n / (2 * VEC) * (2 * VEC);
+    bf16_row(x, whole, out);
+    for (int64_t i = whole; i < n; i += VEC) {
+        vec v = {0};
+        const int64_t m = n - i < VEC ? n - i : VEC;
+        memcpy(&v, x + i, sizeof(float) * m);
+        const hvec h = __builtin_convertvector(bf16_bits(v), hvec);
+        memcpy(out + i, &h, sizeof(uint16_t) * m);
+    }
+}
+
 /* acc + a.odd * b.odd + a.even * b.even per lane, in that order */
 static inline vec dot2(vec acc, wvec a, wvec b) {
 #if defined(__AVX512BF16__) && VEC == 16
@@ -161,7 +199,7 @@ typedef struct {
     float scale;
     float softcap; /* > 0: every score s becomes softcap * tanh(s / softcap) (Gemma 2), before masking */
     float *out, *lse;
-    int bf16; /* the products in bf16 pairs (above) */
+    int bf16; /* the products in bf16 pairs (above): 1 from an fp32 pool, KV16 from a bf16 pool */
     const int64_t *task_first; /* [batch + 1]: first task id of each request */
     _Atomic int64_t next;
     _Atomic int failed;
@@ -321,11 +359,11 @@ static void tile_values_bf16(const tile_scratch *t, int64_t pairs, int64_t used,
 }
 
 /* the block's keys as bf16 feature pairs and its values as bf16 key pairs (`keys` rows, even) */
-static void block_to_bf16(const tile_scratch *t, int64_t keys, int64_t D) {
-    for (int64_t j = 0; j < keys; j++) bf16_row(t->keys[j], D, (uint16_t *)(t->kb + j * (D / 2)));
+static void block_to_bf16(const tile_scratch *t, int bf16, int64_t keys, int64_t D) {
+    for (int64_t j = 0; j < keys; j++) row_to_bf16(t->keys[j], bf16, D, (uint16_t *)(t->kb + j * (D / 2)));
     for (int64_t jp = 0; jp < keys / 2; jp++)
         for (int64_t d = 0; d < D; d += VEC)
-            *(wvec *)(t->vp + jp * D + d) = bf16_pairs(load_vec(t->values[2 * jp] + d), load_vec(t->values[2 * jp + 1] + d));
+            *(wvec *)(t->vp + jp * D + d) = pairs_at(t->values[2 * jp], t->values[2 * jp + 1], bf16, d);
 }
 
 /* out[d * stride + i] = k[i][d] for VEC rows: AVX-512 transposes 16 x 16 tiles in registers
@@ -391,11 +429,11 @@ static __attribute__((noinline)) void tile_block(const extend_job *a, const tile
     const int64_t padded_keys = (n + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
     for (int64_t j = 0; j < padded_keys; j++) { /* the block's tail repeats its last key, masked below */
         const int64_t slot = slots[j0 + (j < n ? j : n - 1)];
-        t->keys[j] = a->k_cache + slot * row + h * D;
-        t->values[j] = a->v_cache + slot * row + h * D;
+        t->keys[j] = pool_at(a->k_cache, a->bf16, slot * row + h * D);
+        t->values[j] = pool_at(a->v_cache, a->bf16, slot * row + h * D);
     }
     if (a->bf16) {
-        block_to_bf16(t, padded_keys, D);
+        block_to_bf16(t, a->bf16, padded_keys, D);
         for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores_bf16(t, j, rows, D);
     } else {
         for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
@@ -548,7 +586,7 @@ static int attend(const float *q, const float *k_cache, const float *v_cache, co
                   int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, int causal,
                   int64_t window, float softcap, float *out, float *lse, int64_t threads, int64_t per_tile,
                   int64_t bf16) {
-    if (dim % (bf16 ? 32 : 16) != 0) return -2; /* a multiple of KEY_GROUP; bf16: of two vectors' pairs */
+    if (dim % (bf16 ? 32 : 16) != 0 || bf16 < 0 || bf16 > KV16) return -2; /* a multiple of KEY_GROUP; bf16: of two vectors' pairs */
     int64_t *task_first = malloc(sizeof(int64_t) * (batch + 1));
     if (!task_first) return -1;
     task_first[0] = 0;
@@ -629,8 +667,8 @@ static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp
 
 /* key i's K and V rows (kv head h) of `slots` */
 static inline void prefetch_key(const extend_job *a, const int64_t *slots, int64_t i, int64_t h) {
-    const int64_t at = slots[i] * a->hkv * a->dim + h * a->dim;
-    rb_prefetch_floats(a->k_cache + at, a->dim), rb_prefetch_floats(a->v_cache + at, a->dim);
+    const int64_t at = slots[i] * a->hkv * a->dim + h * a->dim, floats = a->bf16 == KV16 ? a->dim / 2 : a->dim;
+    rb_prefetch_floats(pool_at(a->k_cache, a->bf16, at), floats), rb_prefetch_floats(pool_at(a->v_cache, a->bf16, at), floats);
 }
 
 #define DECODE_CHAINS 4 /* independent vectors per pass: one chain of D dependent FMAs was latency bound */
@@ -723,7 +761,7 @@ static void load_block(const extend_job *a, const decode_scratch *t, const int64
         for (int64_t i = 0; i < VEC; i++) {
             const int64_t j = u * VEC + i;
             if (j0 + j + ahead < L) prefetch_key(a, slots, j0 + j + ahead, h);
-            k[i] = a->k_cache + slots[j0 + (j < n ? j : n - 1)] * row + h * D;
+            k[i] = pool_at(a->k_cache, a->bf16, slots[j0 + (j < n ? j : n - 1)] * row + h * D);
         }
         if (!a->bf16) {
             transpose_keys(k, D, t->kt + u * VEC);
@@ -731,16 +769,15 @@ static void load_block(const extend_job *a, const decode_scratch *t, const int64
         }
         const float *words[VEC]; /* the keys' bf16 rows, as word-sized lanes to transpose */
         for (int64_t i = 0; i < VEC; i++) {
-            bf16_row(k[i], D, t->rows16 + i * D);
+            row_to_bf16(k[i], a->bf16, D, t->rows16 + i * D);
             words[i] = (const float *)(t->rows16 + i * D);
         }
         transpose_keys(words, D / 2, (float *)t->ktw + u * VEC);
     }
     for (int64_t jp = 0; a->bf16 && jp < (n + 1) / 2; jp++) { /* an odd block's last pair repeats its key */
-        const float *even = a->v_cache + slots[j0 + 2 * jp] * row + h * D;
-        const float *odd = a->v_cache + slots[j0 + (2 * jp + 1 < n ? 2 * jp + 1 : n - 1)] * row + h * D;
-        for (int64_t d = 0; d < D; d += VEC)
-            *(wvec *)(t->vpw + jp * D + d) = bf16_pairs(load_vec(even + d), load_vec(odd + d));
+        const float *even = pool_at(a->v_cache, a->bf16, slots[j0 + 2 * jp] * row + h * D);
+        const float *odd = pool_at(a->v_cache, a->bf16, slots[j0 + (2 * jp + 1 < n ? 2 * jp + 1 : n - 1)] * row + h * D);
+        for (int64_t d = 0; d < D; d += VEC) *(wvec *)(t->vpw + jp * D + d) = pairs_at(even, odd, a->bf16, d);
     }
 }
 
@@ -969,7 +1006,7 @@ int rb_decode_attention_invariant(const float *q, const float *k_cache, const fl
                               int64_t batch, int64_t hkv, int64_t group, int64_t dim, float scale, float softcap,
                               const rb_key_sharing *sharing, float *out, float *lse, int64_t threads,
                               int64_t bf16) {
-    if (dim % (bf16 ? 32 : 16) != 0) return -2;
+    if (dim % (bf16 ? 32 : 16) != 0 || bf16 < 0 || bf16 > KV16) return -2;
     const int64_t chunks = sharing ? sharing->chunks : batch;
     extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
                       dim, 1, chunks * hkv, 0, 0, scale, softcap, out, lse, (int)bf16, NULL, 0, 0};

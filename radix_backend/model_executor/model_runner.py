@@ -58,6 +58,7 @@ class KernelPath:
     # invariance off, decode rows keep the fp32 split kernel), else fp32
     attention_bf16: bool = False
     cpu_isa: str = "native"  # the instruction set the native CPU kernels target (RADIX_BACKEND_CPU_ISA)
+    kv_dtype: str = "float32"  # of the KV pool: bf16 rows where the attention products are bf16
 
 
 @dataclass
@@ -127,6 +128,7 @@ class ModelRunner:
                 self._build(checkpoint, config)
             self.kernel_settings = replace(self.kernel_settings,
                                            attention_bf16=self._attention_bf16(config.attention_dtype))
+            self._build_pool(config)
         except BaseException as exc:
             if self.tp is not None:
                 self.tp.mark_broken(f"building the model failed: {exc}")
@@ -165,9 +167,17 @@ class ModelRunner:
             self.quantization = quantize_model(self.model, mode, from_gguf=checkpoint.gguf is not None,
                                                device=self.device, dtype=self.dtype, tp_size=tp_size)
         logger.info("quantization: %s (%s)", self.quantization.mode, self.quantization.reason)
+        self.attention_backend = create_attention_backend(config.attention_backend, self.device,
+                                                          page_size=config.page_size,
+                                                          batch_invariant=config.batch_invariant)
+
+    def _build_pool(self, config: EngineConfig) -> None:
+        """The KV pool, in the model's dtype, or bf16 rows where the attention products are bf16
+        (they round every K and V row to bf16 anyway: the same bits at half the bytes)."""
         attn = self.model.layers[0].self_attn
+        kv_dtype = self._kv_dtype(config.kv_cache_dtype)
         pool_cfg = KVPoolConfig(num_layers=len(self.model.layers), num_kv_heads=attn.num_kv_heads,
-                                head_dim=attn.head_dim, dtype=self.dtype, device=self.device)
+                                head_dim=attn.head_dim, dtype=kv_dtype, device=self.device)
         num_slots = config.kv_cache_tokens or self._default_kv_tokens(pool_cfg, config.mem_fraction)
         if self.tp is not None:
             num_slots = self.tp.agree_min(num_slots)  # every rank's pool must have the same slots
@@ -175,11 +185,22 @@ class ModelRunner:
             raise ValueError(f"kv_cache_tokens must be >= 16, got {num_slots}")
         self.kv_pool = KVPool(pool_cfg, num_slots, page_size=config.page_size)
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(pool_cfg.num_layers)]
-        self.attention_backend = create_attention_backend(config.attention_backend, self.device,
-                                                          page_size=config.page_size,
-                                                          batch_invariant=config.batch_invariant)
-        logger.info("model on %s/%s, %d KV slots, tp_size=%d", self.device, self.dtype, num_slots,
-                    self.tp.size if self.tp else 1)
+        logger.info("model on %s/%s, %d KV slots (%s), tp_size=%d", self.device, self.dtype, num_slots,
+                    str(kv_dtype).removeprefix("torch."), self.tp.size if self.tp else 1)
+
+    def _kv_dtype(self, requested: str) -> torch.dtype:
+        """bf16 rows where the attention products are bf16 (auto, or asked for), else the model's dtype."""
+        bf16 = self.kernel_settings.attention_bf16
+        if requested == "bf16" and not bf16 and self.dtype != torch.bfloat16:
+            raise ValueError("kv_cache_dtype='bf16' needs bf16 attention products (attention_dtype 'auto' on a CPU with "
+                             "native bf16, or 'bf16'); this model's products are "
+                             f"{str(self.dtype).removeprefix('torch.')}")
+        if requested == "fp32":
+            if self.dtype != torch.float32:
+                raise ValueError(f"kv_cache_dtype='fp32' needs an fp32 model; this one runs in "
+                                 f"{str(self.dtype).removeprefix('torch.')}")
+            return torch.float32
+        return torch.bfloat16 if bf16 else self.dtype
 
     def _kernel_path(self) -> KernelPath:
         if self.device.type == "cpu":
@@ -195,7 +216,8 @@ class ModelRunner:
                           activation_bits=settings.current().activation_bits,
                           batch_invariant=self._batch_invariant(attention, layer_ops),
                           attention_bf16=settings.current().attention_bf16,
-                          cpu_isa=cpu_isa.target() if self.device.type == "cpu" else "n/a")
+                          cpu_isa=cpu_isa.target() if self.device.type == "cpu" else "n/a",
+                          kv_dtype=str(self.kv_pool.dtype).removeprefix("torch."))
 
     def _attention_bf16(self, requested: str) -> bool:
         """Whether the native attention kernels multiply bf16 pairs: asked for, or (auto) for a model
@@ -205,7 +227,7 @@ class ModelRunner:
         can = (self.attention_backend.name == "native" and self.dtype == torch.float32 and native.available()
                and native.bf16_attention_dim_ok(head_dim))
         if requested == "bf16" and not can:
-            raise ValueError(f"attention_dtype='bf16' needs the native CPU attention kernels on an fp32 KV pool and a "
+            raise ValueError(f"attention_dtype='bf16' needs the native CPU attention kernels, an fp32 model and a "
                              f"head size that is a multiple of 32; this model runs {self.attention_backend.name} "
                              f"attention on {self.device}/{str(self.dtype).removeprefix('torch.')}, head size {head_dim}")
         if requested != "auto":

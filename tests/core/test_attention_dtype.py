@@ -63,3 +63,30 @@ def test_bf16_products_stay_close_to_fp32_products_on_smollm2() -> None:
     assert sum(a == b for a, b in zip(fp32_tokens, bf16_tokens)) >= 6
     assert max(float((a - b).abs().max()) for a, b in zip(fp32_logits, bf16_logits)) < 1.0
     assert any(not torch.equal(a, b) for a, b in zip(fp32_logits, bf16_logits))  # the products did change
+
+
+@pytest.mark.slow
+def test_a_bf16_pool_gives_the_bits_of_an_fp32_pool_on_smollm2() -> None:
+    """kv_cache_dtype auto stores bf16 rows where the products are bf16: every step's logits of a
+    batch (decode stack, shared-prefix chunks, a cached prefix on the second pass) are the bits of
+    the same engine over an fp32 pool, at half the pool's bytes."""
+    attention = "auto" if quant.has_native_bf16() else "bf16"  # emulated pairs elsewhere: the same bits
+    prompts = PROMPTS + [PROMPTS[0] + " a city of", PROMPTS[4] + " there lived"]
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    runs = {}
+    for kv in ("fp32", "auto"):
+        with Engine(quantization="auto", attention_dtype=attention, kv_cache_dtype=kv, kv_cache_tokens=4096,
+                    speculative=False) as eng, recording_step_logits() as seen:
+            assert eng.kernel_path.kv_dtype == ("float32" if kv == "fp32" else "bfloat16")
+            outs = eng.generate(prompts, params) + eng.generate(prompts[:3], params)  # the second pass: cached
+            runs[kv] = [(o.token_ids, seen[o.request_id]) for o in outs], eng.runner.kv_pool.size_bytes()
+    (fp32_outs, fp32_bytes), (bf16_outs, bf16_bytes) = runs["fp32"], runs["auto"]
+    assert bf16_bytes * 2 == fp32_bytes
+    for (tokens_a, logits_a), (tokens_b, logits_b) in zip(fp32_outs, bf16_outs):
+        assert tokens_a == tokens_b and len(logits_a) == len(logits_b) == 12
+        assert all(torch.equal(a, b) for a, b in zip(logits_a, logits_b))
+
+
+def test_kv_cache_dtype_bf16_needs_bf16_products(tiny_qwen3_dir) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bf16' needs bf16 attention products"):
+        Engine(str(tiny_qwen3_dir), device="cpu", dtype="float32", kv_cache_tokens=256, kv_cache_dtype="bf16")

@@ -46,7 +46,8 @@ def test_a_lower_target_hides_the_features_it_lacks(monkeypatch: pytest.MonkeyPa
 
 
 def test_isa_environment_holds_torch_too() -> None:
-    assert cpu_isa.isa_environment("avx2") == {cpu_isa.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2"}
+    assert cpu_isa.isa_environment("avx2") == {cpu_isa.ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                                               "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     assert cpu_isa.isa_environment("portable")["ATEN_CPU_CAPABILITY"] == "default"
     assert cpu_isa.isa_environment("native") == {cpu_isa.ISA_ENV: "native"}
     with pytest.raises(ValueError, match="unknown CPU ISA"):
