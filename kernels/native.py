@@ -94,6 +94,12 @@ def _cpu_identity() -> str:
     return "\n".join([platform.machine(), *sorted(set(lines))])
 
 
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of the kernels' C sources: what they compute changes only with it (and the flags)."""
+    return hashlib.sha256("\0".join(path.read_text() for path in (*SOURCES, *HEADERS)).encode()).hexdigest()[:16]
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 

@@ -17,6 +17,7 @@ nodes split, so a prefix written by one request is found by any other sharing it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..kernels import native
 from .kv_pool import KVPool
 from .kv_store import DiskKVStore, KVBlock, block_hashes, model_fingerprint
 from .radix_cache import MatchResult, RadixCache, TreeNode
@@ -54,8 +56,13 @@ def kv_identity(runner: ModelRunner) -> dict[str, Any]:
     for volatile in ("_name_or_path", "transformers_version", "_commit_hash"):
         model_config.pop(volatile, None)
     report = runner.quantization
+    # the kernels' numerics: their path (attention products, activation bits, instruction set, ...)
+    # and their code, so KV written by another path or release is never read back as this one's
+    path = dataclasses.asdict(runner.kernel_path)
+    path.pop("cuda_graph", None)  # how steps are launched, not what they compute
     return {"model_config": model_config, "kv_dtype": str(runner.kv_pool.dtype), "device": runner.device.type,
-            "quantization": report.mode, "dense_dtype": str(report.dense_dtype)}
+            "quantization": report.mode, "dense_dtype": str(report.dense_dtype), "kernel_path": path,
+            "kernel_sources": native.source_digest(), "torch": torch.__version__}
 
 
 class DiskTier:

@@ -318,3 +318,20 @@ def test_many_waiting_requests_with_disk_prefixes_all_finish(tiny_llama_dir: Pat
         stats = eng.cache_stats()
     assert together == alone
     assert 0 < stats.disk_hit_tokens <= sum(len(p) for p in prompts)  # each prefix loaded about once
+
+
+def test_another_kernel_path_never_loads_the_kv(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    """The same weights through other numerics (here fp32 vs bf16 attention products, which change
+    every layer's K and V after the first) write a separate store: KV is only read back by the path
+    that computed it, so a disk hit keeps a cold run's bits."""
+    from radix_backend.kernels import native
+
+    if not native.available():
+        pytest.skip("bf16 products are the native kernels'")
+    disk = tmp_path / "kv"
+    stores = {}
+    for attention in ("fp32", "bf16"):  # head size 32 takes bf16 pairs on every CPU with FMA
+        with tiny(tiny_qwen3_dir, disk, attention_dtype=attention, kv_cache_dtype="fp32") as eng:  # one pool dtype
+            stores[attention] = eng.scheduler.kv.disk.store
+            assert eng.kernel_path.attention_bf16 is (attention == "bf16")
+    assert stores["fp32"].fingerprint != stores["bf16"].fingerprint and stores["fp32"].dir != stores["bf16"].dir
