@@ -122,7 +122,6 @@ class DecodeStack:
             native.check_softcap(w.softcap, head_dim)
             s.softcap = w.softcap or 0.0
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._kv16 = False  # the bound pool holds bf16 rows
 
     def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Point the layers at this K/V pool; False (nothing bound) when the kernel cannot read it."""
@@ -137,7 +136,6 @@ class DecodeStack:
         for s, (k, v) in zip(self._structs, kv_caches):
             s.k_cache, s.v_cache = k.data_ptr(), v.data_ptr()
         self._bound = kv_caches
-        self._kv16 = dtypes == {torch.bfloat16}
         return True
 
     def run(self, embeddings: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor,
@@ -157,10 +155,11 @@ class DecodeStack:
         args = [t.to(torch.int64).contiguous() for t in (positions, out_slots, kv_indices, starts, lens)]
         if sharing is not None:
             sharing.check(args[-1])
-        if self._kv16 and not attention_bf16:
+        kv16 = self._bound[0][0].dtype == torch.bfloat16
+        if kv16 and not attention_bf16:
             raise ValueError("a bf16 KV pool is read with bf16 attention products only")
         # a bf16 pool: every row attends with the invariant kernel, which reads it
-        self._dims.attention_bf16 = native.KV16_POOL if self._kv16 else int(attention_bf16 and invariant)
+        self._dims.attention_bf16 = native.KV16_POOL if kv16 else int(attention_bf16 and invariant)
         rc = native.library().rb_decode_stack(self._structs, len(self.layers), ctypes.byref(self._dims),
                                               residual.shape[0], *(a.data_ptr() for a in args),
                                               ctypes.byref(sharing.struct) if sharing is not None else None,

@@ -97,7 +97,7 @@ def _cpu_identity() -> str:
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
     """A digest of the kernels' C sources: what they compute changes only with it (and the flags)."""
-    return hashlib.sha256("\0".join(path.read_text() for path in (*SOURCES, *HEADERS)).encode()).hexdigest()[:16]
+    return hashlib.sha256("\0".join(path.read_text() for path in (*SOURCES, *HEADERS)).encode()).hexdigest()
 
 
 def _compiler() -> str | None:
@@ -110,8 +110,7 @@ def build(compiler: str, out_dir: Path, flags: tuple[str, ...] | None = None) ->
     portable code paths too."""
     flags = target_flags() if flags is None else flags
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_identity()]).encode())
+    key = hashlib.sha256("\0".join([source_digest(), " ".join(flags), version, _cpu_identity()]).encode())
     target = out_dir / f"rb_cpu_kernels_{key.hexdigest()[:16]}.so"
     out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_private(out_dir)

@@ -7,10 +7,10 @@ would change bits, the invariant kernel reads such a prefix once per chunk of it
 `native.KeySharing`, with every row's bits unchanged), and extends attend every request's
 whole context in one call (no shared-prefix pass: the kernel loads each block of keys once for a
 tile of query rows, so a shared prefix costs the same arithmetic as the torch path's shared
-product, without its gathers). A batch the kernels cannot take (a bf16 pool, a head size they do
-not handle) runs the torch path, which stays the reference they are tested against. With bf16
-products the pool may hold bf16 rows (the model runner's choice): the kernels read them as the
-products would round the fp32 rows, the same bits at half the bytes.
+product, without its gathers). A batch the kernels cannot take (a bf16 model's tensors, a head size
+they do not handle) runs the torch path, which stays the reference they are tested against. With
+bf16 products the pool may hold bf16 rows (the model runner's choice): the kernels read them as
+the products would round the fp32 rows, the same bits at half the bytes.
 """
 
 from __future__ import annotations
