@@ -27,6 +27,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 RUN_KERNELS = HAS_TRITON and (INTERPRET or HAS_CUDA)
 DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 
+if INTERPRET and HAS_TRITON:
+    from interpreter_dot import make_dots_row_invariant
+
+    make_dots_row_invariant()
+
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 kernel_test = pytest.mark.skipif(not RUN_KERNELS, reason="runs in the TRITON_INTERPRET=1 subprocess (driver test)")
 
