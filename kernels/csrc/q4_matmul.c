@@ -130,6 +130,28 @@ static inline __attribute__((always_inline)) void group_dots(const __m512i quad[
     }
 }
 
+/* The dot products of a group for a tile of R rows at once (R >= TILE_DOTS_ROWS), the whole group
+   into dots[i] for row i, whose digits start at rows + i * stride. The rows are interleaved so that
+   consecutive vpdpbusd are independent: one row at a time, the compiler joined each row's parts
+   into chains of 4 dependent vpdpbusd and the core could not look far enough ahead to keep its
+   VNNI pipes busy (plain Q4_1 at 512 rows: 1.1-1.3x faster this way on an AVX-512 Zen 5). The
+   other formats keep group_dots: their scale vectors leave too few registers for this (measured
+   slower). */
+#define TILE_DOTS_ROWS 4
+static inline __attribute__((always_inline)) void tile_dots(const __m512i quad[8], const int8_t *rows,
+                                                            int64_t stride, const int R, const int P,
+                                                            __m512i dots[TILE]) {
+    for (int i = 0; i < R; i++) dots[i] = _mm512_setzero_si512();
+    for (int p = 0; p < P; p++) {
+        if (p) /* high digits, then low ones */
+            for (int i = 0; i < R; i++) dots[i] = _mm512_slli_epi32(dots[i], 8);
+        for (int k = 0; k < 8; k++) /* quad k: features 4k..4k+3 */
+            for (int i = 0; i < R; i++)
+                dots[i] = _mm512_dpbusd_epi32(dots[i], quad[k],
+                                              _mm512_set1_epi32(load_i32(rows + i * stride + p * 32 + 4 * k)));
+    }
+}
+
 /* a group's 4 code vectors as 8 quads of nibbles: quad j < 4 the low nibbles (features 4j..4j+3),
    quad 4 + j the high ones (features 16 + 4j..) */
 static inline __attribute__((always_inline)) void load_quads(const uint8_t *group_codes, __m512i quad[8]) {
@@ -153,12 +175,19 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         const __m512 minimums = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS + Q4_ROWS)));
         __m512i quad[8];
         load_quads(codes + g * 4 * 64, quad);
+        __m512i dots[TILE];
+        if (R >= TILE_DOTS_ROWS) {
+            tile_dots(quad, x->digits + (row0 * groups + g) * P * 32, groups * P * 32, R, P, dots);
+        } else {
+            for (int i = 0; i < R; i++) {
+                __m512i dot_a, dot_b;
+                group_dots(quad, x->digits + ((row0 + i) * groups + g) * P * 32, P, &dot_a, &dot_b);
+                dots[i] = _mm512_add_epi32(dot_a, dot_b);
+            }
+        }
         for (int i = 0; i < R; i++) {
             const int64_t at = (row0 + i) * groups + g;
-            __m512i dot_a, dot_b;
-            group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
-            const __m512i dot = _mm512_add_epi32(dot_a, dot_b);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[at])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i]), _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[at])), acc[i]);
             acc[i] = _mm512_fmadd_ps(minimums, _mm512_set1_ps(x->sum[at]), acc[i]);
         }
     }
@@ -178,8 +207,8 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           const uint8_t *high, const uint8_t *params,
                                                           const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
-                                                          float *out, const int R, const int P) {
-    const int hb = w->high_bits, kind = w->params_kind, layout = w->layout;
+                                                          float *out, const int R, const int P, const int layout) {
+    const int hb = w->high_bits, kind = w->params_kind;
     const int64_t stride = q4_param_stride(w), half = Q4_ROWS * q4_param_bytes(w);
     const __m512 negoff = _mm512_set1_ps(-w->offset);
     const __m512i hmask = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
@@ -334,8 +363,8 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           const uint8_t *high, const uint8_t *params,
                                                           const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
-                                                          float *out, const int R, const int P) {
-    const int hb = w->high_bits, kind = w->params_kind, layout = w->layout;
+                                                          float *out, const int R, const int P, const int layout) {
+    const int hb = w->high_bits, kind = w->params_kind;
     const int64_t bytes = q4_param_bytes(w), half = Q4_ROWS * bytes, stride = q4_param_stride(w);
     const int signed_codes = SIGNED_8BIT_CODES && hb == 4; /* signed_group_dots: no offset term */
     const __m256 negoff = _mm256_set1_ps(signed_codes ? 0.f : -w->offset);
@@ -400,7 +429,10 @@ static inline int q4_plain(const rb_q4_weight *w) {
 #ifdef HAVE_Q4_TILE
 #define TILE_CALL(r, p)                                                                               \
     if (plain) q4_tile(codes, (const _Float16 *)params, x, row0, groups, out, r, p);                  \
-    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p);
+    /* the layout as a constant: each format's tile compiled on its own (1.2-1.3x at 8+ rows) */  \
+    else if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN); \
+    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET); \
+    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET);
 #define TILE_CASE(r)                                                                                  \
     case r:                                                                                           \
         if (x->planes == 1) { TILE_CALL(r, 1) }                                                       \
