@@ -27,7 +27,7 @@ def make_dots_row_invariant() -> None:
     original = builder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():  # fp8: triton's own conversion
+        if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):  # fp8: triton's own path
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
         result = ordered_matmul(a.data, b.data, d.data.dtype) + d.data
         return interpreter.TensorHandle(result, d.dtype.scalar)
