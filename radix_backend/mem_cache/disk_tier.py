@@ -56,13 +56,13 @@ def kv_identity(runner: ModelRunner) -> dict[str, Any]:
     for volatile in ("_name_or_path", "transformers_version", "_commit_hash"):
         model_config.pop(volatile, None)
     report = runner.quantization
-    # the kernels' numerics: their path (attention products, activation bits, instruction set, ...)
-    # and their code, so KV written by another path or release is never read back as this one's
+    # the kernels' numerics: their path (device, KV dtype, attention products, activation bits,
+    # instruction set, ...) and their code, so KV written by another path or release is never read
+    # back as this one's
     path = dataclasses.asdict(runner.kernel_path)
     path.pop("cuda_graph", None)  # how steps are launched, not what they compute
-    return {"model_config": model_config, "kv_dtype": str(runner.kv_pool.dtype), "device": runner.device.type,
-            "quantization": report.mode, "dense_dtype": str(report.dense_dtype), "kernel_path": path,
-            "kernel_sources": native.source_digest(), "torch": torch.__version__}
+    return {"model_config": model_config, "quantization": report.mode, "dense_dtype": str(report.dense_dtype),
+            "kernel_path": path, "kernel_sources": native.source_digest(), "torch": torch.__version__}
 
 
 class DiskTier:

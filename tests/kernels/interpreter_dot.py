@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def ordered_matmul(a: np.ndarray, b: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
-    """a [M, K] @ b [K, N] in `dtype`: the products of each output element added in the order of
-    k (numpy reduces a non-contiguous axis one slice at a time), independent of M and N."""
-    dtype = np.result_type(a, b) if dtype is None else dtype
+def ordered_matmul(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """a [..., M, K] @ b [..., K, N] in `dtype`: the products of each output element added in the
+    order of k (numpy reduces a non-contiguous axis one slice at a time), independent of M and N."""
     products = a.astype(dtype)[..., :, :, None] * b.astype(dtype)[..., None, :, :]
     return products.sum(axis=-2, dtype=dtype)
 
