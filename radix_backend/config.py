@@ -67,6 +67,9 @@ class EngineConfig:
     native_kernels: bool = _knob(True, "our C kernels for CPU tensors where a compiler builds them (off: torch ops, "
                                  "the reference); process-wide")
     triton_ops: bool = _knob(True, "Triton layer ops for CUDA tensors (off: torch ops); process-wide")
+    retain_heap: bool = _knob(True, "on the CPU, keep freed heap blocks of up to 64 MiB for reuse (glibc's mmap and "
+                              "trim thresholds) instead of handing them back to the OS, which makes every layer of "
+                              "a prefill fault its tensors in anew; process-wide")
     activation_bits: int = _knob(8, "activation integers of the native low-bit linears (16 keeps a GGUF model's "
                                  "greedy tokens equal to its fp32 reference's, at 1.2-1.5x the time)")
     attention_dtype: str = _knob(
@@ -141,6 +144,7 @@ ENV_KNOBS = {
     "quantization": "RADIX_BACKEND_QUANTIZATION",
     "native_kernels": "RADIX_BACKEND_NATIVE",
     "triton_ops": "RADIX_BACKEND_TRITON_OPS",
+    "retain_heap": "RADIX_BACKEND_RETAIN_HEAP",
     "activation_bits": "RADIX_BACKEND_ACTIVATION_BITS",
     "batch_invariant": "RADIX_BACKEND_BATCH_INVARIANT",
     "attention_dtype": "RADIX_BACKEND_ATTENTION_DTYPE",

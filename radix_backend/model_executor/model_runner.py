@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radix_backend.kernels import AttentionMetadata, cpu_isa, create_attention_backend, native, quant, settings
+from radix_backend.kernels import AttentionMetadata, cpu_isa, create_attention_backend, heap, native, quant, settings
 from radix_backend.kernels.ops import triton_available
 
 from ..mem_cache.kv_pool import KVPool, KVPoolConfig, kv_tokens_for_budget
@@ -129,6 +129,8 @@ class ModelRunner:
             self.kernel_settings = replace(self.kernel_settings,
                                            attention_bf16=self._attention_bf16(config.attention_dtype))
             self._build_pool(config)
+            if self.device.type == "cpu" and config.retain_heap:
+                heap.retain_freed_memory()  # after the load: its temporaries go back to the OS as before
         except BaseException as exc:
             if self.tp is not None:
                 self.tp.mark_broken(f"building the model failed: {exc}")
