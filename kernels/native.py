@@ -58,6 +58,7 @@ _SIGNATURES = {
     "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _F, _P,
                                     _P, _I, _I], ctypes.c_int),
     "rb_round_bf16": ([_P, _I, _P], None),
+    "rb_store_kv": ([_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
     "rb_add_rms_norm_threads": ([_P, _P, _P, _I, _I, _F, _P, _P, _I], None),
     "rb_rope_threads": ([_P, _I, _I, _I, _I, _P, _P, _I, _P, _I], None),
     "rb_silu_and_mul_threads": ([_P, _I, _I, _P, _I], None),
@@ -251,6 +252,32 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     library().rb_round_bf16(x.data_ptr(), x.numel(), out.data_ptr())
     return out
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """x [T, heads, dim]: each token's heads side by side (a view into a fused output serves)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """k, v [T, kv_heads, dim] (fp32) into pool rows `slots` of k_cache / v_cache (fp32, or bf16
+    rounded as `round_bf16`) in one native pass. False (nothing written) where it does not apply:
+    the caller stores them another way."""
+    pool = k_cache.dtype
+    if not (available() and k.dtype == v.dtype == torch.float32 and pool in (torch.float32, torch.bfloat16)
+            and v_cache.dtype == pool and k.device.type == v.device.type == k_cache.device.type == "cpu"
+            and k.shape == v.shape and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]
+            and _rows_contiguous(k) and _rows_contiguous(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slots.dtype == torch.int64 and slots.device.type == "cpu" and slots.is_contiguous()
+            and slots.numel() == k.shape[0]):
+        return False
+    kv_size = k.shape[1] * k.shape[2]
+    if library().rb_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.shape[0], kv_size,
+                             slots.data_ptr(), k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
+                             int(pool == torch.bfloat16)):
+        raise IndexError(f"a KV slot is outside the pool of {k_cache.shape[0]} rows")
+    return True
 
 
 # ---- decode rows that begin with the same keys ---------------------------------------------------

@@ -91,7 +91,10 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
     def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
         """fp32 rows into a bf16 pool are rounded as the bf16 products round them (denormals to
-        zero), so the pool holds exactly what the products of an fp32 pool would use."""
+        zero), so the pool holds exactly what the products of an fp32 pool would use; one native
+        pass where it applies (`native.store_kv`)."""
+        if native.store_kv(k, v, k_cache, v_cache, meta.out_slots):
+            return
         if k_cache.dtype == torch.bfloat16 and k.dtype == torch.float32 and k.device.type == "cpu" and native.available():
             k, v = native.round_bf16(k), native.round_bf16(v)
         TorchAttentionBackend.store_kv(k, v, k_cache, v_cache, meta)

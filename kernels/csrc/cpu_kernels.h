@@ -31,6 +31,8 @@ int rb_decode_attention_invariant(const float *q, const float *k_cache, const fl
 #define KV16_POOL 2
 /* out[0 .. n) = the bf16 of x[0 .. n) as the bf16 products round it: what a bf16 pool stores */
 void rb_round_bf16(const float *x, int64_t n, uint16_t *out);
+int rb_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T, int64_t kv_size,
+                const int64_t *slots, int64_t pool_rows, void *k_cache, void *v_cache, int64_t bf16_pool);
 int rb_extend_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *kv_indices,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *kv_starts,
                         const int64_t *kv_lens, int64_t batch, int64_t hkv, int64_t group, int64_t dim,

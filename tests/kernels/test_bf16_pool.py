@@ -88,3 +88,32 @@ def test_a_bf16_pool_needs_bf16_products() -> None:
         native.extend_attention(q, k16, v16, idx, torch.tensor([0]), torch.tensor([1]), torch.tensor([0]), one, 0.125)
     with pytest.raises(ValueError, match="one shape and dtype"):
         native.decode_attention(q, k16, v16.float(), idx, torch.tensor([0]), one, 0.125, bf16=True)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_in_one_pass_equals_rounding_then_index_copy(pool_dtype) -> None:
+    """A step's K and V rows into their slots (V a strided view into a fused qkv output, as the
+    model hands it over): the same bytes as rounding them and `index_copy_`, no other slot
+    touched; a slot outside the pool is an error that writes nothing."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, hkv, dim, rows = 37, 3, 64, 100
+    qkv = torch.randn(tokens, (4 + 2) * hkv * dim, generator=gen)
+    k = qkv[:, 4 * hkv * dim:5 * hkv * dim].reshape(tokens, hkv, dim).contiguous()
+    v = qkv[:, 5 * hkv * dim:].reshape(tokens, hkv, dim)
+    assert not v.is_contiguous()
+    slots = torch.randperm(rows, generator=gen)[:tokens]
+    k_cache, v_cache = (torch.randn(rows, hkv, dim, generator=gen).to(pool_dtype) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    rounded = (lambda x: native.round_bf16(x.contiguous())) if pool_dtype == torch.bfloat16 else (lambda x: x)
+    want_k.index_copy_(0, slots, rounded(k))
+    want_v.index_copy_(0, slots, rounded(v))
+    bits = torch.int16 if pool_dtype == torch.bfloat16 else torch.int32
+    assert native.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(bits), want_k.view(bits)) and torch.equal(v_cache.view(bits), want_v.view(bits))
+    bad = slots.clone()
+    bad[-1] = rows
+    before = k_cache.clone()
+    with pytest.raises(IndexError, match="outside the pool"):
+        native.store_kv(k * 2, v, k_cache, v_cache, bad)
+    assert torch.equal(k_cache.float(), before.float())
+    assert not native.store_kv(k.double(), v.double(), k_cache, v_cache, slots)  # not for it: the caller's path
