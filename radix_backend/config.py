@@ -74,8 +74,9 @@ class EngineConfig:
                                  "greedy tokens equal to its fp32 reference's, at 1.2-1.5x the time)")
     attention_dtype: str = _knob(
         "auto", "products of the native CPU attention kernels: fp32, or bf16 pairs (the same bits on every CPU with "
-        "FMA; ~1.4x faster extend attention where the CPU has native bf16); auto: bf16 for a model whose linears run "
-        "low-bit on a CPU with native bf16 (AVX512-BF16 or AMX), fp32 otherwise; with batch_invariant off, decode "
+        "FMA; ~1.4x faster extend attention where the CPU has native bf16); auto: bf16 for a model with low-bit "
+        "linears on a CPU with native bf16 (AVX512-BF16 or AMX), fp32 otherwise (fp checkpoints, GGUF files of float "
+        "tensors); with batch_invariant off, decode "
         "rows keep the fp32 split kernel (the bf16 pool aside)", ATTENTION_DTYPES)
     kv_cache_dtype: str = _knob(
         "auto", "the KV pool's rows on the CPU: auto = bf16 where the attention products are bf16 (they round every K "

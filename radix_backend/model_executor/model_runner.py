@@ -224,7 +224,8 @@ class ModelRunner:
     def _attention_bf16(self, requested: str) -> bool:
         """Whether the native attention kernels multiply bf16 pairs: asked for, or (auto) for a model
         whose linears run low-bit (their activations are 8- or 16-bit already) on a CPU with native
-        bf16. Read from the CPU's features, never timed: a busy machine must not change precision."""
+        bf16; a GGUF file of float tensors only keeps fp32 products, as an fp checkpoint does. Read
+        from the CPU's features, never timed: a busy machine must not change precision."""
         head_dim = self.model.layers[0].self_attn.head_dim
         can = (self.attention_backend.name == "native" and self.dtype == torch.float32 and native.available()
                and native.bf16_attention_dim_ok(head_dim))
@@ -234,7 +235,7 @@ class ModelRunner:
                              f"attention on {self.device}/{str(self.dtype).removeprefix('torch.')}, head size {head_dim}")
         if requested != "auto":
             return requested == "bf16"
-        return can and self.quantization.mode != "none" and quant.has_native_bf16()
+        return can and self.quantization.low_bit and quant.has_native_bf16()
 
     def _batch_invariant(self, attention: str, layer_ops: str) -> bool:
         """Whether the guarantee holds for this model, not only whether it was asked for: one

@@ -45,6 +45,13 @@ class QuantizationReport:
     decode_stack: bool = False  # small decode steps run every layer in one native call
     kernels: dict[str, dict[str, int]] | None = None  # "gguf": {ggml type: {kernel: tensors}}
 
+    @property
+    def low_bit(self) -> bool:
+        """Whether any linear runs on low-bit weights (an all-float GGUF file runs none)."""
+        if self.kernels is not None:
+            return any(kernel.startswith("native") for kernels in self.kernels.values() for kernel in kernels)
+        return self.mode != "none"
+
 
 def validate_mode(mode: str) -> str:
     if mode not in QUANTIZATION_MODES:

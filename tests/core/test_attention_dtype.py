@@ -38,6 +38,22 @@ def test_fp_checkpoints_keep_fp32_products_unless_asked(tiny_qwen3_dir, monkeypa
         assert len(eng.generate("Hello there", SamplingParams(max_new_tokens=4, temperature=0)).token_ids) == 4
 
 
+def test_float_gguf_files_keep_fp32_products(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF of F32/F16 tensors runs no low-bit linear: auto keeps fp32 products and an fp32 pool,
+    as for an fp checkpoint (a quantized file of the same model takes bf16 on such a CPU)."""
+    from gguf_files import ModelSpec, write_model
+
+    monkeypatch.setattr(quant, "has_native_bf16", lambda cpuinfo=None: True)
+    floats = {name: "F32" for name in ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output",
+                                       "ffn_gate", "ffn_up", "ffn_down")} | {"ffn_up": "F16"}
+    for types, bf16 in ((floats, False), ({}, True)):  # {}: the matrices in Q8_0
+        path = write_model(tmp_path / f"m{int(bf16)}.gguf", ModelSpec(hidden=256, heads=4, kv_heads=2, types=types))
+        with Engine(str(path), quantization="auto", kv_cache_tokens=256) as eng:
+            assert eng.runner.quantization.low_bit is bf16
+            assert eng.kernel_path.attention_bf16 is bf16
+            assert eng.kernel_path.kv_dtype == ("bfloat16" if bf16 else "float32")
+
+
 def test_bf16_products_are_refused_where_the_kernels_cannot_run_them(tiny_llama_dir, tiny_qwen3_dir) -> None:
     common = dict(device="cpu", dtype="float32", kv_cache_tokens=256, attention_dtype="bf16")
     with pytest.raises(ValueError, match=r"attention_dtype='bf16'.*head size 16"):

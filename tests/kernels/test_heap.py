@@ -16,7 +16,7 @@ from radix_backend.kernels import heap
 PREFILL_FAULTS = """
 import json, resource, sys
 from radix_backend import Engine, SamplingParams
-with Engine(retain_heap=sys.argv[1] == "1") as engine:
+with Engine(quantization="auto", retain_heap=sys.argv[1] == "1") as engine:  # the default path
     text = " ".join(f"Item {i}: the radix tree keeps every prefix it has seen." for i in range(200))
     prompt = engine.encode(text)[:1024]
     faults = []
