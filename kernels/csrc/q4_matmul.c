@@ -193,6 +193,20 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
     for (int i = 0; i < R; i++) _mm512_storeu_ps(out + i * Q4_ROWS, acc[i]);
 }
 
+/* 8-bit codes (4 high bits, Q8_0): quad j's byte is its nibble with the high plane's nibble above
+   it, put together by one ternary-logic select (upper nibble from the plane, lower from the codes)
+   instead of load_quads' masks and the high bits' and + or: the same bytes */
+static inline __attribute__((always_inline)) void load_quads8(const uint8_t *group_codes, const uint8_t *group_high,
+                                                              __m512i quad[8]) {
+    const __m512i upper = _mm512_set1_epi8((char)0xF0);
+    for (int j = 0; j < 8; j++) {
+        const __m512i c = _mm512_loadu_si512((const void *)(group_codes + (j % 4) * 64));
+        const __m512i h = _mm512_loadu_si512((const void *)(group_high + (j / 2) * 64)); /* bits 4j.. */
+        const __m512i t = j % 2 ? h : _mm512_slli_epi16(h, 4);
+        quad[j] = _mm512_ternarylogic_epi32(upper, t, j < 4 ? c : _mm512_srli_epi16(c, 4), 0xCA); /* upper ? t : c */
+    }
+}
+
 static inline __m512 load_params16(const uint8_t *p, int kind) {
     if (kind == Q4_PARAMS_F32) return _mm512_loadu_ps((const float *)p);
     if (kind == Q4_PARAMS_K) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -225,13 +239,17 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
         const __m512 min_a = layout == Q4_SCALE_MIN ? second : _mm512_mul_ps(first, negoff);
         const __m512 min_b = _mm512_mul_ps(scale_b, negoff);
         __m512i quad[8];
-        load_quads(codes + g * 4 * 64, quad);
-        for (int j = 0; j < 8 && hb; j++) {
-            const int bit = j * hb, s = bit % 8;
-            const __m512i h = _mm512_loadu_si512((const void *)(high + (g * hb + bit / 8) * 64));
-            const __m512i t = s <= 4 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - s))
-                                     : _mm512_srl_epi16(h, _mm_cvtsi32_si128(s - 4));
-            quad[j] = _mm512_or_si512(quad[j], _mm512_and_si512(t, hmask));
+        if (hb == 4) {
+            load_quads8(codes + g * 4 * 64, high + g * 4 * 64, quad);
+        } else {
+            load_quads(codes + g * 4 * 64, quad);
+            for (int j = 0; j < 8 && hb; j++) {
+                const int bit = j * hb, s = bit % 8;
+                const __m512i h = _mm512_loadu_si512((const void *)(high + (g * hb + bit / 8) * 64));
+                const __m512i t = s <= 4 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - s))
+                                         : _mm512_srl_epi16(h, _mm_cvtsi32_si128(s - 4));
+                quad[j] = _mm512_ternarylogic_epi32(quad[j], t, hmask, 0xF8); /* quad | (t & hmask) */
+            }
         }
         for (int i = 0; i < R; i++) {
             const int64_t at = (row0 + i) * groups + g;
