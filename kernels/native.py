@@ -254,9 +254,9 @@ def round_bf16(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _rows_contiguous(x: torch.Tensor) -> bool:
-    """x [T, heads, dim]: each token's heads side by side (a view into a fused output serves)."""
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+def head_rows_ok(x: torch.Tensor) -> bool:
+    """x [T, H, D] whose heads sit contiguously within each row (e.g. a slice of a fused qkv)."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -266,9 +266,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     the caller stores them another way."""
     pool = k_cache.dtype
     if not (available() and k.dtype == v.dtype == torch.float32 and pool in (torch.float32, torch.bfloat16)
-            and v_cache.dtype == pool and k.device.type == v.device.type == k_cache.device.type == "cpu"
+            and v_cache.dtype == pool
+            and k.device.type == v.device.type == k_cache.device.type == v_cache.device.type == "cpu"
             and k.shape == v.shape and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:]
-            and _rows_contiguous(k) and _rows_contiguous(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and head_rows_ok(k) and head_rows_ok(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
             and slots.dtype == torch.int64 and slots.device.type == "cpu" and slots.is_contiguous()
             and slots.numel() == k.shape[0]):
         return False
@@ -459,14 +460,9 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     return out, new_residual
 
 
-def rope_rows_ok(x: torch.Tensor) -> bool:
-    """x [T, H, D] whose heads sit contiguously within each row (e.g. a slice of a fused qkv)."""
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
-
-
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """Neox RoPE of x [T, H, D] (see `rope_rows_ok`) into a new contiguous tensor."""
-    if not rope_rows_ok(x) or x.dtype != torch.float32:
+    """Neox RoPE of x [T, H, D] (see `head_rows_ok`) into a new contiguous tensor."""
+    if not head_rows_ok(x) or x.dtype != torch.float32:
         raise ValueError("rope needs fp32 x [T, H, D] with each row's heads contiguous")
     tokens, heads, dim = x.shape
     rot = cos_sin_cache.shape[-1]

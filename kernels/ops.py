@@ -145,7 +145,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if _use_triton(q):
         from . import triton_ops
         return triton_ops.apply_rotary(q, k, positions, cos_sin_cache)
-    if native.supports(q, k, cos_sin_cache) and native.rope_rows_ok(q) and native.rope_rows_ok(k):
+    if native.supports(q, k, cos_sin_cache) and native.head_rows_ok(q) and native.head_rows_ok(k):
         cos_sin_cache = cos_sin_cache.contiguous()
         return native.rope(q, positions, cos_sin_cache), native.rope(k, positions, cos_sin_cache)
     return apply_rotary_torch(q, k, positions, cos_sin_cache)

@@ -49,7 +49,7 @@ class QuantizationReport:
     def low_bit(self) -> bool:
         """Whether any linear runs on low-bit weights (an all-float GGUF file runs none)."""
         if self.kernels is not None:
-            return any(kernel.startswith("native") for kernels in self.kernels.values() for kernel in kernels)
+            return native_tensors(self.kernels) > 0
         return self.mode != "none"
 
 
@@ -111,7 +111,7 @@ def _decide(model: nn.Module, mode: str, from_gguf: bool,
 def gguf_report(model: nn.Module) -> QuantizationReport:
     """What a model built from a GGUF in its own types runs where."""
     counts = kernel_counts(model)
-    low = sum(n for kernels in counts.values() for kernel, n in kernels.items() if kernel.startswith("native"))
+    low = native_tensors(counts)
     total = sum(n for kernels in counts.values() for n in kernels.values())
     summary = ", ".join(f"{kind}: " + ", ".join(f"{n} {kernel}" for kernel, n in kernels.items())
                         for kind, kernels in counts.items())
@@ -122,6 +122,11 @@ def gguf_report(model: nn.Module) -> QuantizationReport:
     if low < total:
         logger.info("GGUF tensors on fp32: %d of %d", total - low, total)
     return report
+
+
+def native_tensors(counts: dict[str, dict[str, int]]) -> int:
+    """How many GGUF tensors of `kernel_counts` run on our native low-bit kernels."""
+    return sum(n for kernels in counts.values() for kernel, n in kernels.items() if kernel.startswith("native"))
 
 
 def kernel_counts(model: nn.Module) -> dict[str, dict[str, int]]:
