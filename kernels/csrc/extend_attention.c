@@ -135,14 +135,6 @@ static inline const float *pool_at(const float *cache, int bf16, int64_t offset)
     return bf16 == KV16 ? (const float *)((const uint16_t *)cache + offset) : cache + offset;
 }
 
-/* a pool row of D features as bf16 words (copied from a bf16 pool, rounded from an fp32 one) */
-static inline void row_to_bf16(const float *row, int bf16, int64_t D, uint16_t *out) {
-    if (bf16 == KV16)
-        memcpy(out, row, sizeof(uint16_t) * D);
-    else
-        bf16_row(row, D, out);
-}
-
 /* features d .. d + VEC of two pool rows as (even, odd) pairs */
 static inline wvec pairs_at(const float *even, const float *odd, int bf16, int64_t d) {
     if (bf16 != KV16) return bf16_pairs(load_vec(even + d), load_vec(odd + d));
@@ -303,10 +295,10 @@ static void tile_values(const tile_scratch *t, int64_t keys, int64_t d0, int64_t
     for (; c0 < rows; c0 += VEC) values_chunk(t->s_t, t->values, keys, rows, d0, c0, t->o_t, 1);
 }
 
-/* bf16 scores: s_t[j][c] = sum over feature pairs i of kb[j][i] . qb[i][c], KEY_GROUP keys from j
-   (kb at key j) and one chunk of `nv` row vectors at column c0 */
+/* bf16 scores: s_t[j][c] = sum over feature pairs i of kb[k][i] . qb[i][c] for the KEY_GROUP keys
+   j + k (kb[k]: key j + k's row of pairs) and one chunk of `nv` row vectors at column c0 */
 static inline __attribute__((always_inline)) void scores_chunk_bf16(const uint32_t *restrict qb,
-                                                                    const uint32_t *restrict kb, int64_t rows,
+                                                                    const uint32_t *const kb[KEY_GROUP], int64_t rows,
                                                                     int64_t pairs, int64_t c0, float *restrict s_t,
                                                                     const int nv) {
     vec acc[KEY_GROUP][ROW_VECS] = {{{0}}};
@@ -315,7 +307,7 @@ static inline __attribute__((always_inline)) void scores_chunk_bf16(const uint32
         wvec qv[ROW_VECS];
         for (int u = 0; u < nv; u++) qv[u] = q[u];
         for (int k = 0; k < KEY_GROUP; k++) {
-            const wvec w = (wvec){0} + kb[k * pairs + i];
+            const wvec w = (wvec){0} + kb[k][i];
             for (int u = 0; u < nv; u++) acc[k][u] = dot2(acc[k][u], w, qv[u]);
         }
     }
@@ -352,12 +344,16 @@ static inline __attribute__((always_inline)) void values_rows_bf16(const uint32_
         for (int c = 0; c < nc; c++) memcpy(o + (r0 + r) * D + d0 + c * VEC, &acc[r][c], sizeof(vec));
 }
 
-static void tile_scores_bf16(const tile_scratch *t, int64_t j, int64_t rows, int64_t D) {
+/* keys j .. j + KEY_GROUP: a bf16 pool's rows where they lie, else their rounded copies in kb */
+static void tile_scores_bf16(const tile_scratch *t, int bf16, int64_t j, int64_t rows, int64_t D) {
     const int64_t pairs = D / 2;
+    const uint32_t *kb[KEY_GROUP];
+    for (int k = 0; k < KEY_GROUP; k++)
+        kb[k] = bf16 == KV16 ? (const uint32_t *)t->keys[j + k] : t->kb + (j + k) * pairs;
     int64_t c0 = 0;
     for (; c0 + CHUNK_ROWS <= rows; c0 += CHUNK_ROWS)
-        scores_chunk_bf16(t->qb, t->kb + j * pairs, rows, pairs, c0, t->s_t + j * rows, ROW_VECS);
-    for (; c0 < rows; c0 += VEC) scores_chunk_bf16(t->qb, t->kb + j * pairs, rows, pairs, c0, t->s_t + j * rows, 1);
+        scores_chunk_bf16(t->qb, kb, rows, pairs, c0, t->s_t + j * rows, ROW_VECS);
+    for (; c0 < rows; c0 += VEC) scores_chunk_bf16(t->qb, kb, rows, pairs, c0, t->s_t + j * rows, 1);
 }
 
 /* call(r, cols) with cols = min(cols_left, VALUE_COLS) as a constant */
@@ -385,9 +381,10 @@ static void tile_values_bf16(const tile_scratch *t, int64_t pairs, int64_t used,
         }
 }
 
-/* the block's keys as bf16 feature pairs and its values as bf16 key pairs (`keys` rows, even) */
+/* the block's values as bf16 key pairs (`keys` rows, even) and, from an fp32 pool, its keys rounded
+   to bf16 feature pairs (a bf16 pool's key rows are read where they lie) */
 static void block_to_bf16(const tile_scratch *t, int bf16, int64_t keys, int64_t D) {
-    for (int64_t j = 0; j < keys; j++) row_to_bf16(t->keys[j], bf16, D, (uint16_t *)(t->kb + j * (D / 2)));
+    for (int64_t j = 0; j < keys && bf16 != KV16; j++) bf16_row(t->keys[j], D, (uint16_t *)(t->kb + j * (D / 2)));
     for (int64_t jp = 0; jp < keys / 2; jp++)
         for (int64_t d = 0; d < D; d += VEC)
             *(wvec *)(t->vp + jp * D + d) = pairs_at(t->values[2 * jp], t->values[2 * jp + 1], bf16, d);
@@ -461,7 +458,7 @@ static __attribute__((noinline)) void tile_block(const extend_job *a, const tile
     }
     if (a->bf16) {
         block_to_bf16(t, a->bf16, padded_keys, D);
-        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores_bf16(t, j, rows, D);
+        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores_bf16(t, a->bf16, j, rows, D);
     } else {
         for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
     }
@@ -798,7 +795,7 @@ static void load_block(const extend_job *a, const decode_scratch *t, const int64
            they lie (a copy per key was 4 % of a workload's time), an fp32 pool's rounded first */
         const float *words[VEC];
         for (int64_t i = 0; i < VEC; i++) {
-            if (a->bf16 != KV16) row_to_bf16(k[i], a->bf16, D, t->rows16 + i * D);
+            if (a->bf16 != KV16) bf16_row(k[i], D, t->rows16 + i * D);
             words[i] = a->bf16 == KV16 ? k[i] : (const float *)(t->rows16 + i * D);
         }
         transpose_keys(words, D / 2, (float *)t->ktw + u * VEC);
