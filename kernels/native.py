@@ -297,7 +297,10 @@ class _KeySharingStruct(ctypes.Structure):
 class KeySharing:
     """Decode rows in chunks whose requests begin with the same pool slots (`rb_key_sharing`): the
     invariant decode kernel loads and transposes those keys once per chunk instead of once per
-    request. Built from the step's own slot table by `KeySharing.find`; changes no bit of any row."""
+    request. Built from the step's own slot table by `KeySharing.find`; changes no bit of any row.
+    The kernel attends a chunk of fewer rows than one vector's lanes (members x query heads per kv
+    head; e.g. one request's few draft rows) request by request: there, sharing cost more than it
+    saved."""
 
     def __init__(self, chunks: list[tuple[list[int], int]]) -> None:
         self.order = torch.tensor([b for members, _ in chunks for b in members], dtype=torch.int64)

@@ -679,12 +679,6 @@ typedef struct {
     uint16_t *rows16;
 } decode_scratch;
 
-/* x, as a value the compiler cannot see through (no call specialised on it) */
-static inline int64_t opaque(int64_t x) {
-    __asm__("" : "+r"(x));
-    return x;
-}
-
 static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp_vec's value, lane 0 */
 
 #define PREFETCH_KEYS 8 /* keys ahead whose K and V rows are fetched while this one is read */
@@ -878,8 +872,8 @@ static inline __attribute__((always_inline)) void decode_values_bf16(const uint3
 /* Member m's G query heads over the loaded block j0 (n keys; its values read through `slots`, or
    with bf16 products from the block's pairs, where the probabilities of keys past n, lanes that
    repeat key n - 1, are zero as a masked key's are in the tiles). One compiled body for every
-   caller, never given a constant n (`opaque`): a copy specialised for n == BLOCK_KEYS fused other
-   multiplies and adds (the rescaled sum) and changed bits. */
+   caller (noinline): a copy specialised for a constant n == BLOCK_KEYS fused other multiplies and
+   adds (the rescaled sum) and changed bits. */
 static __attribute__((noinline)) void member_block(const extend_job *a, const decode_scratch *t, int64_t m,
                                                   const int64_t *slots, int64_t h, int64_t j0, int64_t n) {
     const int64_t G = a->group, D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC, pairs = (n + 1) / 2;
@@ -925,10 +919,6 @@ static void member_end(const extend_job *a, const decode_scratch *t, int64_t m, 
     }
 }
 
-/* Kv head h of a chunk of `count` requests whose first `shared` keys are the same slots: the whole
-   blocks among those are loaded and transposed once for all members, then each member goes on
-   over its own blocks. Every member's arithmetic is what it would do alone (the same block grid,
-   the same sums in the same order), so sharing changes no bit. */
 /* The chunk's shared whole blocks with its members' query heads as the rows of one tile (the extend
    kernel's layout: each key feature read once for all of them, the softmax's sums vectorized across
    rows); each row's arithmetic is member_block's, so its state (max, sum, output) is handed over to
@@ -951,25 +941,20 @@ static void shared_blocks_as_tile(const extend_job *a, const decode_scratch *t, 
     }
 }
 
+/* Kv head h of a chunk of `count` requests whose first `shared` keys (whole blocks, when count > 1)
+   are the same slots: those blocks once for all members as a tile, then each member over its own
+   blocks. Every member's arithmetic is what it would do alone (the same block grid, the same sums
+   in the same order), so sharing changes no bit. */
 static void decode_chunk(const extend_job *a, const decode_scratch *t, const tile_scratch *tt,
                          const int64_t *members, int64_t count, int64_t shared, int64_t h) {
-    const int64_t *first = a->kv_indices + a->kv_starts[members[0]];
-    const int64_t together = shared / BLOCK_KEYS * BLOCK_KEYS;
+    const int64_t together = count > 1 ? shared / BLOCK_KEYS * BLOCK_KEYS : 0;
     for (int64_t m = 0; m < count; m++) member_begin(a, t, m, members[m], h);
-    if (tt && count > 1 && together) {
-        shared_blocks_as_tile(a, t, tt, members, count, h, first, together);
-    } else {
-        prefetch_keys(a, first, 0, a->kv_lens[members[0]], h);
-        for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) {
-            const int64_t n = opaque(BLOCK_KEYS);
-            load_block(a, t, first, together, h, j0, n);
-            for (int64_t m = 0; m < count; m++) member_block(a, t, m, first, h, j0, n);
-        }
-    }
+    if (together)
+        shared_blocks_as_tile(a, t, tt, members, count, h, a->kv_indices + a->kv_starts[members[0]], together);
     for (int64_t m = 0; m < count; m++) {
         const int64_t b = members[m], L = a->kv_lens[b];
         const int64_t *slots = a->kv_indices + a->kv_starts[b];
-        if (together) prefetch_keys(a, slots, together, L, h);
+        prefetch_keys(a, slots, together, L, h);
         for (int64_t j0 = together; j0 < L; j0 += BLOCK_KEYS) {
             const int64_t n = L - j0 < BLOCK_KEYS ? L - j0 : BLOCK_KEYS;
             load_block(a, t, slots, L, h, j0, n);
@@ -979,17 +964,29 @@ static void decode_chunk(const extend_job *a, const decode_scratch *t, const til
     }
 }
 
+/* Chunks of fewer rows than this (members x query heads per kv head) are attended one request at a
+   time: a tile of a partly empty vector of lanes did not pay for its setup, and a chunk is one task
+   per kv head, so a small one left the threads unevenly loaded (a request's 2-5 draft rows of the
+   embedded model, 3 query heads per kv head: 1.1-1.3x a decode step's time with them shared). */
+#define SHARED_TILE_MIN_ROWS VEC
+
+/* One task's requests: `count` members from members[0] that read their first `shared` keys once
+   (count 1: a request alone) */
+typedef struct {
+    const int64_t *members;
+    int64_t count, shared;
+} decode_unit;
+
 typedef struct {
     extend_job *job;
-    const rb_key_sharing *sharing; /* NULL: every request its own chunk */
-    int64_t widest;                /* members of the largest chunk */
+    const decode_unit *units; /* task t is unit t / hkv, kv head t % hkv */
+    int64_t widest;           /* members of the largest unit */
 } decode_job;
 
 static void decode_part(void *ctx, int64_t part, int64_t parts) {
     (void)part, (void)parts;
     decode_job *dj = (decode_job *)ctx;
     extend_job *a = dj->job;
-    const rb_key_sharing *sh = dj->sharing;
     const int64_t G = a->group, D = a->dim, M = dj->widest;
     decode_scratch t = {aligned_floats(M * G * D), aligned_floats(D * BLOCK_KEYS), aligned_floats(G * BLOCK_KEYS),
                         aligned_floats(M * G * D), aligned_floats(M * G), aligned_floats(M * G),
@@ -998,18 +995,14 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
         t.qw = aligned_floats(M * G * D / 2), t.ktw = aligned_floats(D / 2 * BLOCK_KEYS),
         t.vpw = aligned_floats(BF16_PAIRS * D), t.pw = aligned_floats(G * BF16_PAIRS),
         t.rows16 = aligned_floats(VEC * D / 2);
-    tile_scratch tt; /* chunks' shared blocks, their members' heads as a tile's rows */
-    const int tiled = sh && M > 1 && tile_scratch_alloc(&tt, tile_rows(M, G), D, a->bf16) == 0;
+    tile_scratch tt; /* shared blocks, the members' heads as a tile's rows */
+    const int tiled = M > 1 && tile_scratch_alloc(&tt, tile_rows(M, G), D, a->bf16) == 0;
     if (t.qs && t.kt && t.s && t.o && t.max && t.sum && (!a->bf16 || (t.qw && t.ktw && t.vpw && t.pw && t.rows16))
-        && (tiled || !sh || M == 1)) {
+        && (tiled || M == 1)) {
         int64_t task;
         while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
-            const int64_t c = task / a->hkv, h = task % a->hkv;
-            if (sh)
-                decode_chunk(a, &t, tiled ? &tt : NULL, sh->order + sh->bounds[c], sh->bounds[c + 1] - sh->bounds[c],
-                             sh->shared[c], h);
-            else
-                decode_chunk(a, &t, NULL, &c, 1, 0, h);
+            const decode_unit *u = dj->units + task / a->hkv;
+            decode_chunk(a, &t, &tt, u->members, u->count, u->shared, task % a->hkv);
         }
     } else {
         a->failed = 1;
@@ -1033,16 +1026,30 @@ int rb_decode_attention_invariant(const float *q, const float *k_cache, const fl
                               const rb_key_sharing *sharing, float *out, float *lse, int64_t threads,
                               int64_t bf16) {
     if (dim % (bf16 ? 32 : 16) != 0 || bf16 < 0 || bf16 > KV16) return -2;
-    const int64_t chunks = sharing ? sharing->chunks : batch;
-    extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
-                      dim, 1, chunks * hkv, 0, 0, scale, softcap, out, lse, (int)bf16, NULL, 0, 0};
-    int64_t widest = 1; /* members of the largest chunk: the scratch holds that many requests' state */
-    for (int64_t c = 0; sharing && c < chunks; c++) {
-        const int64_t members = sharing->bounds[c + 1] - sharing->bounds[c];
-        widest = members > widest ? members : widest;
+    /* the tasks' requests: each chunk worth a shared tile, every other request alone */
+    decode_unit *units = (decode_unit *)malloc(sizeof(decode_unit) * (batch > 0 ? batch : 1));
+    int64_t *alone = (int64_t *)malloc(sizeof(int64_t) * (batch > 0 ? batch : 1));
+    if (!units || !alone) {
+        free(units), free(alone);
+        return -1;
     }
-    decode_job dj = {&job, sharing, widest};
+    int64_t n_units = 0, widest = 1; /* members of the largest unit: the scratch holds that many requests' state */
+    for (int64_t b = 0; b < batch; b++) alone[b] = b;
+    for (int64_t c = 0; c < (sharing ? sharing->chunks : batch); c++) {
+        const int64_t first = sharing ? sharing->bounds[c] : c, count = sharing ? sharing->bounds[c + 1] - first : 1;
+        const int64_t *members = sharing ? sharing->order + first : alone + c;
+        if (count > 1 && count * group >= SHARED_TILE_MIN_ROWS && sharing->shared[c] >= BLOCK_KEYS) {
+            units[n_units++] = (decode_unit){members, count, sharing->shared[c]};
+            widest = count > widest ? count : widest;
+        } else {
+            for (int64_t m = 0; m < count; m++) units[n_units++] = (decode_unit){alone + members[m], 1, 0};
+        }
+    }
+    extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
+                      dim, 1, n_units * hkv, 0, 0, scale, softcap, out, lse, (int)bf16, NULL, 0, 0};
+    decode_job dj = {&job, units, widest};
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(decode_part, &dj, threads < 1 ? 1 : threads);
+    free(units), free(alone);
     return job.failed ? -1 : 0;
 }
