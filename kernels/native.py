@@ -70,6 +70,7 @@ _SIGNATURES = {
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P, _I], None),
     "rb_ggml_pack": ([_I, _P, _I, _I, _I, _I, _I, _P, _P, _I], ctypes.c_int),
     "rb_q4_smallest_8bit_code": ([], ctypes.c_int),
+    "rb_q4_tile_rows": ([], ctypes.c_int),
     "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),
     "rb_q8_tiled_supported": ([], ctypes.c_int),
     "rb_q8_tiled_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
@@ -175,6 +176,12 @@ def check_activation_bits(bits: int) -> None:
 def available() -> bool:
     """The kernels may run: the settings allow them and they built here."""
     return settings.current().native and library() is not None
+
+
+def matmul_tile_rows() -> int:
+    """Activation rows the low-bit matmul takes per pass over the weights (8 on AVX-512, 4 on AVX2,
+    1 portable; 1 without the kernels)."""
+    return int(library().rb_q4_tile_rows()) if available() else 1
 
 
 def supports(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:

@@ -614,6 +614,11 @@ void q4_linear_rows(const rb_q4_weight *const *ws, int64_t count, const float *x
 #endif
 int rb_q4_smallest_8bit_code(void) { return SIGNED_8BIT_CODES; }
 
+/* Activation rows the low-bit matmul takes in one pass over a block's codes (each pass unpacks them
+   once more): a step of one row more than a multiple of this costs a pass (the speculative
+   decoder's cost model, scheduler/speculative.py) */
+int rb_q4_tile_rows(void) { return TILE; }
+
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
                int64_t threads) {
     if (w->dense) {

@@ -284,6 +284,14 @@ class ModelRunner:
         window, LongRoPE's short-factor range)."""
         return self.limits.context_length
 
+    @property
+    def matmul_tile_rows(self) -> int:
+        """Activation rows the native low-bit matmul takes per pass over the weights (1 without it)."""
+        if self.device.type != "cpu":
+            return 1
+        with settings.active(self.kernel_settings):
+            return native.matmul_tile_rows()
+
     def forward(self, batch: ForwardInput) -> torch.Tensor:
         """Run the batch; returns float32 logits [len(logits_indices), vocab]. With tensor
         parallelism every rank is sent the batch first and runs its shard alongside."""

@@ -30,7 +30,7 @@ from .inbox import Inbox
 from .output_processor import Detokenize, OutputProcessor
 from .request import Req
 from .schedule_batch import ScheduleBatch
-from .speculative import CPU_ROW_COST, GPU_ROW_COST, Draft, DraftStats, pick_draft, plan_drafts
+from .speculative import GPU_STEP_COST, Draft, DraftStats, cpu_step_cost, pick_draft, plan_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Scheduler:
         self.enable_jump_forward = config.enable_jump_forward
         self.speculative = runner.kernel_path.batch_invariant if config.speculative is None else config.speculative
         self.max_draft = config.speculative_max_draft
-        self.row_cost = CPU_ROW_COST if runner.device.type == "cpu" else GPU_ROW_COST
+        self.step_cost = cpu_step_cost(runner.matmul_tile_rows) if runner.device.type == "cpu" else GPU_STEP_COST
         self.draft_stats = DraftStats()
         self.kv = KVManager.for_runner(runner, config)
         self.waiting: deque[Req] = deque()
@@ -226,7 +226,7 @@ class Scheduler:
             return
         rates = [batch.reqs[i].spec.rate(d.kind, self.draft_stats) for i, d in found]
         sizes = plan_drafts(rates, [len(d.tokens) for _, d in found], rows=sum(batch.extend_lens),
-                            tokens=max(1, batch.extend_lens.count(1)), row_cost=self.row_cost)
+                            tokens=max(1, batch.extend_lens.count(1)), cost=self.step_cost)
         for (i, draft), k in zip(found, sizes):
             req = batch.reqs[i]
             if k == 0:

@@ -15,11 +15,11 @@ while the sampled token equals it, so the output (greedy, or sampled with a seed
 plain decoding gives; for a one-token draft distribution this is the standard speculative
 rejection rule (accept d with probability p(d), else sample from p with d removed).
 
-How many draft tokens a request gets each step is a small cost model (`plan_drafts`): a row costs
-`row_cost` of a one-row step, draft token j pays off with probability alpha^j (alpha: the request's
-acceptance rate for that kind of draft), and draft rows are added, most likely first, while each
-raises the batch's expected tokens per unit of time. Open-ended text, where drafts miss, soon gets
-none.
+How many draft tokens a request gets each step is a small cost model (`plan_drafts`): a step of
+r rows costs `StepCost(r)` one-row steps, draft token j pays off with probability alpha^j (alpha:
+the request's acceptance rate for that kind of draft), and of the batch's draft tokens, most likely
+first, the step takes as many as maximise its expected tokens per unit of cost. Open-ended text,
+where drafts miss, soon gets none.
 """
 
 from __future__ import annotations
@@ -43,12 +43,37 @@ DECAY = 0.85
 GLOBAL_DECAY = 0.98
 IDLE_DECAY = 0.97
 GLOBAL_IDLE_DECAY = 0.995
-# The cost of one more row in a decode step, as a share of a one-row step: measured on a 2-core
-# AMD EPYC (Zen 4) with SmolLM2 Q4_1, 500-token context: 1 row 9.4 ms, 4 rows 16.5, 6 rows 18.9,
-# 8 rows 25.5 (about 2.2 ms a row over 7.2 fixed). A GPU's decode step is bound by reading the
-# weights, so its extra rows are nearly free.
-CPU_ROW_COST = 0.3
-GPU_ROW_COST = 0.02
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The time of a decode step of `rows` rows in one-row steps: fixed + per_row * rows + per_tile *
+    ceil(rows / tile_rows). On a CPU the low-bit matmuls take activation rows in tiles, each tile
+    one more pass that unpacks the weights, so a row past a multiple of the tile costs more than
+    the rows within it. A GPU's decode step is bound by reading the weights: extra rows are nearly
+    free there."""
+
+    fixed: float
+    per_row: float
+    per_tile: float = 0.0
+    tile_rows: int = 1
+
+    def __call__(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows + self.per_tile * -(-rows // self.tile_rows)
+
+
+def cpu_step_cost(tile_rows: int) -> StepCost:
+    """Measured on a 2-core AMD EPYC (Zen 5, tiles of 8 rows) with SmolLM2 Q4_1 over a 500-token
+    context, one request's decode rows, ms: 1 row 3.3, 2: 4.0, 3: 4.4, 4: 4.7, 5: 5.3, 6: 6.3,
+    8: 7.4, 9: 8.9, 12: 10.1, 16: 12.6, i.e. 1.0 / 1.22 / 1.34 / 1.43 / 1.6 / 1.9 / 2.25 / 2.7 /
+    3.07 / 3.81 one-row steps: about 0.18 a row and 0.27 a tile over 0.55 fixed. The ninth row of
+    a batch of 8 thus costs 0.45, which a flat share of a one-row step per row (0.3) underpriced:
+    drafts of one or two requests in a batch of 8 slowed open-ended chat down. Other CPUs and
+    models keep the shape with their own tile (`native.matmul_tile_rows`)."""
+    return StepCost(fixed=0.55, per_row=0.18, per_tile=0.27, tile_rows=max(1, tile_rows))
+
+
+GPU_STEP_COST = StepCost(fixed=0.98, per_row=0.02)
 
 
 @dataclass
@@ -143,22 +168,21 @@ def pick_draft(candidates: list[Draft], rate: Callable[[str], float]) -> Draft |
     return max((d for d in candidates if d.tokens), key=expected, default=None)
 
 
-def plan_drafts(rates: list[float], lengths: list[int], rows: int, tokens: float, row_cost: float) -> list[int]:
+def plan_drafts(rates: list[float], lengths: list[int], rows: int, tokens: float, cost: StepCost) -> list[int]:
     """How many draft tokens each request gets. Request i may take up to `lengths[i]` tokens, its
     j-th accepted with probability rates[i]**j; the step already has `rows` rows that produce
-    `tokens` tokens. A step costs 1 + row_cost * (rows - 1); a draft row is added, the most likely
-    first, while the expected tokens per unit of cost grow."""
+    `tokens` tokens. The batch's draft tokens are ranked, most likely first (each request's in its
+    own order), and the step takes the leading run of them that maximises expected tokens per unit
+    of `cost` (the whole run is weighed, not one row at a time: a row that opens a new tile can pay
+    off only together with the rows that fill it)."""
+    ranked = sorted(((a ** j, i) for i, (a, n) in enumerate(zip(rates, lengths)) for j in range(1, n + 1)),
+                    key=lambda pi: -pi[0])
+    best_n, best, gained = 0, tokens / cost(rows), 0.0
+    for n, (p, _) in enumerate(ranked, 1):
+        gained += p
+        if (value := (tokens + gained) / cost(rows + n)) > best:
+            best_n, best = n, value
     take = [0] * len(rates)
-    if row_cost <= 0:
-        return list(lengths)
-    while True:
-        best, best_p = -1, 0.0
-        for i, (a, n) in enumerate(zip(rates, lengths)):
-            if take[i] < n and (p := a ** (take[i] + 1)) > best_p:
-                best, best_p = i, p
-        step = 1.0 + row_cost * (rows - 1)
-        if best < 0 or best_p * step <= row_cost * tokens:  # (tokens + p) / (step + c) <= tokens / step
-            return take
-        take[best] += 1
-        rows += 1
-        tokens += best_p
+    for _, i in ranked[:best_n]:
+        take[i] += 1
+    return take

@@ -16,7 +16,7 @@ from radix_backend.mem_cache.kv_manager import KVManager
 from radix_backend.mem_cache.kv_pool import SlotAllocator
 from radix_backend.mem_cache.radix_cache import RadixCache
 from radix_backend.scheduler.speculative import (
-    CPU_ROW_COST,
+    GPU_STEP_COST,
     MAX_NGRAM,
     MIN_NGRAM,
     OPTIMISTIC_RATE,
@@ -24,6 +24,8 @@ from radix_backend.scheduler.speculative import (
     Draft,
     DraftStats,
     SpecState,
+    StepCost,
+    cpu_step_cost,
     pick_draft,
     plan_drafts,
 )
@@ -113,13 +115,21 @@ def test_acceptance_starts_optimistic_follows_outcomes_and_fades_back_while_idle
 
 
 def test_plan_drafts_spends_rows_where_they_pay() -> None:
-    assert plan_drafts([1.0], [8], rows=1, tokens=1, row_cost=CPU_ROW_COST) == [8]  # sure tokens: all
-    assert plan_drafts([0.1], [8], rows=1, tokens=1, row_cost=CPU_ROW_COST) == [0]  # open-ended text: none
-    assert plan_drafts([0.1], [8], rows=1, tokens=1, row_cost=0.0) == [8]  # free rows
-    alone = plan_drafts([0.9], [8], rows=1, tokens=1, row_cost=CPU_ROW_COST)[0]
-    batched = plan_drafts([0.9] * 8, [8] * 8, rows=8, tokens=8, row_cost=CPU_ROW_COST)
+    cpu = cpu_step_cost(8)
+    assert cpu(1) == pytest.approx(1.0) and cpu(9) - cpu(8) > 2 * (cpu(8) - cpu(7))  # a new tile costs more
+    assert plan_drafts([1.0], [8], rows=1, tokens=1, cost=cpu) == [7]  # sure tokens: the whole first tile
+    assert plan_drafts([1.0], [8], rows=1, tokens=1, cost=cpu_step_cost(1)) == [8]  # no tiles: all
+    assert plan_drafts([0.1], [8], rows=1, tokens=1, cost=cpu) == [0]  # open-ended text: none
+    assert plan_drafts([0.1], [8], rows=1, tokens=1, cost=StepCost(fixed=1.0, per_row=0.0)) == [8]  # free rows
+    alone = plan_drafts([0.9], [8], rows=1, tokens=1, cost=cpu)[0]
+    batched = plan_drafts([0.9] * 8, [8] * 8, rows=8, tokens=8, cost=cpu)
     assert 0 < max(batched) < alone  # a bigger batch already uses its step well
-    assert plan_drafts([0.9, 0.3], [8, 8], rows=2, tokens=2, row_cost=CPU_ROW_COST)[1] == 0
+    assert plan_drafts([0.9, 0.3], [8, 8], rows=2, tokens=2, cost=cpu)[1] == 0
+    # one request of a batch of 8 with a likely draft: its rows would open a second tile for less
+    # than a tile's worth of tokens, so none; all eight with such drafts fill that tile
+    assert plan_drafts([0.8] + [0.0] * 7, [8] * 8, rows=8, tokens=8, cost=cpu) == [0] * 8
+    assert plan_drafts([0.9] * 8, [8] * 8, rows=8, tokens=8, cost=cpu) == [1] * 8
+    assert plan_drafts([0.9], [8], rows=1, tokens=1, cost=GPU_STEP_COST) == [8]  # a GPU's rows are nearly free
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
