@@ -320,6 +320,7 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
         lib = native.declare(ctypes.CDLL(str(native.build(native._compiler(), tmp_path, flags))))
     except OSError as exc:  # built for a CPU feature this one lacks (haswell on a pre-AVX2 CPU)
         pytest.skip(f"cannot load the {march} build here: {exc}")
+    assert lib.rb_q4_tile_rows() == {"haswell": 4, "x86-64": 1}[march]  # what the draft cost model prices
     q = random_q4(64, 192, seed=9)
     packed4 = q4.pack_q4(q.codes, q.scale, q.minimum, torch.randn(64))
     packed8 = q8.q8_0_codes(torch.randn(48, 192, generator=torch.Generator().manual_seed(10)))
