@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 
@@ -138,6 +138,16 @@ static inline const float *pool_at(const float *cache, int bf16, int64_t offset)
 /* features d .. d + VEC of two pool rows as (even, odd) pairs */
 static inline wvec pairs_at(const float *even, const float *odd, int bf16, int64_t d) {
     if (bf16 != KV16) return bf16_pairs(load_vec(even + d), load_vec(odd + d));
+#if VEC == 16 && defined(__AVX512BW__)
+    { /* the two rows' 16 words side by side, interleaved by one word permute */
+        static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)((const uint16_t *)even + d))),
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)odd + d)), 1);
+        return (wvec)_mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)interleave), both);
+    }
+#endif
     hvec e, o;
     memcpy(&e, (const uint16_t *)even + d, sizeof e), memcpy(&o, (const uint16_t *)odd + d, sizeof o);
     return __builtin_convertvector(e, wvec) | (__builtin_convertvector(o, wvec) << 16);
