@@ -30,7 +30,16 @@ from .inbox import Inbox
 from .output_processor import Detokenize, OutputProcessor
 from .request import Req
 from .schedule_batch import ScheduleBatch
-from .speculative import GPU_STEP_COST, Draft, DraftStats, cpu_step_cost, pick_draft, plan_drafts
+from .speculative import (
+    DRAFT_KINDS,
+    GPU_STEP_COST,
+    Draft,
+    DraftStats,
+    cpu_step_cost,
+    drafts_may_pay,
+    pick_draft,
+    plan_drafts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -213,20 +222,24 @@ class Scheduler:
         """Speculative decoding (see speculative.py): decoding requests with a draft from their own
         context or the radix tree verify as many of its tokens as the cost model pays for, in spare
         KV slots only."""
+        capped = [(i, cap) for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))
+                  if (cap := self._draft_cap(req, n)) > 0]
+        rows, tokens = sum(batch.extend_lens), max(1, batch.extend_lens.count(1))
+        best = [max(batch.reqs[i].spec.rate(kind, self.draft_stats) for kind in DRAFT_KINDS) for i, _ in capped]
+        if not capped or not drafts_may_pay(best, [cap for _, cap in capped], rows, tokens, self.step_cost):
+            return
         found: list[tuple[int, Draft]] = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            cap = self._draft_cap(req, n)
-            if cap > 0:
-                ids = req.fill_ids
-                draft = pick_draft([req.spec.context.propose(ids, cap), Draft(self.kv.continuation(ids, cap), "tree")],
-                                   lambda kind: req.spec.rate(kind, self.draft_stats))
-                if draft is not None:
-                    found.append((i, draft))
+        for i, cap in capped:
+            req = batch.reqs[i]
+            ids = req.fill_ids
+            draft = pick_draft([req.spec.context.propose(ids, cap), Draft(self.kv.continuation(ids, cap), "tree")],
+                               lambda kind: req.spec.rate(kind, self.draft_stats))
+            if draft is not None:
+                found.append((i, draft))
         if not found:
             return
         rates = [batch.reqs[i].spec.rate(d.kind, self.draft_stats) for i, d in found]
-        sizes = plan_drafts(rates, [len(d.tokens) for _, d in found], rows=sum(batch.extend_lens),
-                            tokens=max(1, batch.extend_lens.count(1)), cost=self.step_cost)
+        sizes = plan_drafts(rates, [len(d.tokens) for _, d in found], rows=rows, tokens=tokens, cost=self.step_cost)
         for (i, draft), k in zip(found, sizes):
             req = batch.reqs[i]
             if k == 0:

@@ -16,6 +16,7 @@ from radix_backend.mem_cache.kv_manager import KVManager
 from radix_backend.mem_cache.kv_pool import SlotAllocator
 from radix_backend.mem_cache.radix_cache import RadixCache
 from radix_backend.scheduler.speculative import (
+    DRAFT_KINDS,
     GPU_STEP_COST,
     MAX_NGRAM,
     MIN_NGRAM,
@@ -26,6 +27,7 @@ from radix_backend.scheduler.speculative import (
     SpecState,
     StepCost,
     cpu_step_cost,
+    drafts_may_pay,
     pick_draft,
     plan_drafts,
 )
@@ -68,6 +70,34 @@ def test_context_index_kept_up_to_date_token_by_token_equals_a_fresh_search() ->
         for _ in range(120):
             ids.append(rng.randrange(4))
             assert index.propose(ids, 5).tokens == brute_force_proposal(ids, 5)
+
+
+def test_context_index_fed_in_long_runs_equals_a_fresh_search() -> None:
+    """Runs of new tokens of BULK or more (a prompt, forced tokens) are hashed on arrays, shorter
+    ones token by token: the same keys, so the same proposals as a brute-force search."""
+    rng = random.Random(1)
+    for _ in range(10):
+        index, ids = ContextIndex(), []
+        for _ in range(12):
+            ids.extend(rng.randrange(6) for _ in range(rng.choice([1, 3, ContextIndex.BULK, 2 * ContextIndex.BULK + 5])))
+            assert index.propose(ids, 6).tokens == brute_force_proposal(ids, 6)
+
+
+def test_a_hash_collision_loses_a_draft_but_never_proposes_a_wrong_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import radix_backend.scheduler.speculative as spec
+
+    monkeypatch.setattr(spec, "ngram_key", lambda gram: 0)  # every n-gram of a length collides
+    monkeypatch.setattr(spec, "ngram_keys", lambda tokens, n: [0] * (len(tokens) - n + 1))
+    rng = random.Random(2)
+    index, ids = ContextIndex(), []
+    for _ in range(150):
+        ids.append(rng.randrange(3))
+        draft = index.propose(ids, 4)
+        if draft.tokens:
+            n = int(draft.kind.split(":")[1])
+            suffix = ids[-n:]
+            assert any(ids[s:s + n] == suffix and ids[s + n:s + n + len(draft.tokens)] == draft.tokens
+                       for s in range(len(ids) - n))
 
 
 def test_tree_continuation_follows_the_most_recent_branch_and_changes_nothing() -> None:
@@ -130,6 +160,21 @@ def test_plan_drafts_spends_rows_where_they_pay() -> None:
     assert plan_drafts([0.8] + [0.0] * 7, [8] * 8, rows=8, tokens=8, cost=cpu) == [0] * 8
     assert plan_drafts([0.9] * 8, [8] * 8, rows=8, tokens=8, cost=cpu) == [1] * 8
     assert plan_drafts([0.9], [8], rows=1, tokens=1, cost=GPU_STEP_COST) == [8]  # a GPU's rows are nearly free
+
+
+def test_drafts_are_not_looked_up_where_none_could_pay() -> None:
+    """The scheduler skips the lookups (a long prompt's n-grams indexed in Python) when even each
+    request's best acceptance rate and longest draft would plan no draft: real drafts, whose tokens
+    are no more likely, would plan none either."""
+    cpu = cpu_step_cost(8)
+    assert drafts_may_pay([0.9], [8], rows=1, tokens=1, cost=cpu)  # a request alone: drafts pay
+    assert not drafts_may_pay([0.9] * 32, [8] * 32, rows=32, tokens=32, cost=cpu)  # a full batch: none can
+    assert not drafts_may_pay([], [], rows=32, tokens=32, cost=cpu)
+    for rates in ([0.9] * 32, [0.95] * 3 + [0.5] * 29):
+        if not drafts_may_pay(rates, [8] * 32, rows=32, tokens=32, cost=cpu):
+            lower = [r * 0.9 for r in rates]
+            assert not any(plan_drafts(lower, [4] * 32, rows=32, tokens=32, cost=cpu))
+    assert "tree" in DRAFT_KINDS and f"context:{MAX_NGRAM}" in DRAFT_KINDS
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
