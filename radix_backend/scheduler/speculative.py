@@ -66,9 +66,9 @@ class StepCost:
 
 def cpu_step_cost(tile_rows: int) -> StepCost:
     """Measured on a 2-core AMD EPYC (Zen 5, tiles of 8 rows) with SmolLM2 Q4_1 over a 500-token
-    context, one request's decode rows, ms: 1 row 3.3, 2: 4.0, 3: 4.4, 4: 4.7, 5: 5.3, 6: 6.3,
-    8: 7.4, 9: 8.9, 12: 10.1, 16: 12.6, i.e. 1.0 / 1.22 / 1.34 / 1.43 / 1.6 / 1.9 / 2.25 / 2.7 /
-    3.07 / 3.81 one-row steps: about 0.18 a row and 0.27 a tile over 0.55 fixed. The ninth row of
+    context, one request's decode rows (medians of interleaved rounds), in one-row steps: 2 rows
+    1.22, 3: 1.34, 4: 1.43, 5: 1.6, 6: 1.9, 8: 2.25, 9: 2.7, 12: 3.07, 16: 3.81 (BENCHMARKS.md):
+    about 0.18 a row and 0.27 a tile over 0.55 fixed. The ninth row of
     a batch of 8 thus costs 0.45, which a flat share of a one-row step per row (0.3) underpriced:
     drafts of one or two requests in a batch of 8 slowed open-ended chat down. Other CPUs and
     models keep the shape with their own tile (`native.matmul_tile_rows`)."""
