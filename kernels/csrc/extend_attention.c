@@ -245,8 +245,9 @@ typedef struct {
     float *lower;   /* [rows]: the row's first visible key (0 without a window), as a float */
     const float **keys, **values; /* [BLOCK_KEYS]: the block's rows in the pool */
     /* bf16 products: the queries as [D / 2][rows] pairs of features, the block's keys as
-       [BLOCK_KEYS][D / 2] pairs of features, its values as [BF16_PAIRS][D] pairs of keys, the
-       probabilities as [BF16_PAIRS][rows] pairs of keys; o_t then holds [rows][D] */
+       [BLOCK_KEYS][D / 2] pairs of features (rounded from an fp32 pool; a bf16 pool's rows are
+       read in place, kb NULL), its values as [BF16_PAIRS][D] pairs of keys, the probabilities as
+       [BF16_PAIRS][rows] pairs of keys; o_t then holds [rows][D] */
     uint32_t *qb, *kb, *vp, *pb;
 } tile_scratch;
 
@@ -586,10 +587,10 @@ static int tile_scratch_alloc(tile_scratch *t, int64_t rows, int64_t D, int bf16
                         aligned_floats(rows), malloc(sizeof(float *) * BLOCK_KEYS),
                         malloc(sizeof(float *) * BLOCK_KEYS), NULL, NULL, NULL, NULL};
     if (bf16) /* words are float-sized */
-        t->qb = aligned_floats(D / 2 * rows), t->kb = aligned_floats(BLOCK_KEYS * D / 2),
+        t->qb = aligned_floats(D / 2 * rows), t->kb = bf16 == KV16 ? NULL : aligned_floats(BLOCK_KEYS * D / 2),
         t->vp = aligned_floats(BF16_PAIRS * D), t->pb = aligned_floats(BF16_PAIRS * rows);
     if (t->q_t && t->s_t && t->o_t && t->max && t->sum && t->limit && t->corr && t->lower && t->keys && t->values
-        && (!bf16 || (t->qb && t->kb && t->vp && t->pb)))
+        && (!bf16 || (t->qb && (t->kb || bf16 == KV16) && t->vp && t->pb)))
         return 0;
     tile_scratch_free(t);
     return -1;
@@ -683,7 +684,8 @@ typedef struct {
     float *o;     /* [M][G][D]: output accumulators */
     float *max, *sum; /* [M][G] */
     /* bf16 products: the queries as [M][G][D / 2] pairs of features, the block's keys as
-       [D / 2][BLOCK_KEYS] pairs of features (transposed from `rows16`, [VEC][D] bf16), its values
+       [D / 2][BLOCK_KEYS] pairs of features (transposed from the pool's rows, an fp32 pool's rounded
+       into `rows16` first, [VEC][D] bf16; NULL for a bf16 pool), its values
        as [BF16_PAIRS][D] pairs of keys, the probabilities as [G][BF16_PAIRS] pairs of keys */
     uint32_t *qw, *ktw, *vpw, *pw;
     uint16_t *rows16;
@@ -1004,10 +1006,10 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
     if (a->bf16) /* words are float-sized */
         t.qw = aligned_floats(M * G * D / 2), t.ktw = aligned_floats(D / 2 * BLOCK_KEYS),
         t.vpw = aligned_floats(BF16_PAIRS * D), t.pw = aligned_floats(G * BF16_PAIRS),
-        t.rows16 = aligned_floats(VEC * D / 2);
+        t.rows16 = a->bf16 == KV16 ? NULL : aligned_floats(VEC * D / 2);
     tile_scratch tt; /* shared blocks, the members' heads as a tile's rows */
     const int tiled = M > 1 && tile_scratch_alloc(&tt, tile_rows(M, G), D, a->bf16) == 0;
-    if (t.qs && t.kt && t.s && t.o && t.max && t.sum && (!a->bf16 || (t.qw && t.ktw && t.vpw && t.pw && t.rows16))
+    if (t.qs && t.kt && t.s && t.o && t.max && t.sum && (!a->bf16 || (t.qw && t.ktw && t.vpw && t.pw && (t.rows16 || a->bf16 == KV16)))
         && (tiled || M == 1)) {
         int64_t task;
         while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
