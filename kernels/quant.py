@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import cpu_isa, ggml, native, ops, q4, q8, settings
+from . import cpu_isa, ggml, head_screen, native, ops, q4, q8, settings
 from .q4 import GROUP_SIZE
 KERNEL_DTYPE = torch.bfloat16  # activation / scale dtype of torch's vectorized CPU int4/int8 kernels
 # Up to this many rows the low-bit kernels beat a dense GEMM in a real forward, where the dense
@@ -324,6 +324,9 @@ class GGUFLinear(nn.Module):
                 self.kernels.append((kind, "fp32 (dequantized)" if raw.ggml_type not in ggml.FLOAT_TYPES else "fp32"))
         if len(packed) == len(parts) and all(p.out_features == n for p, n in zip(packed, self.out_sizes)):
             self.native_q4 = q4.chain(packed) if len(packed) > 1 else packed[0]
+        # an exact head (16-bit activations) of one packed weight screens argmax-only rows
+        self.screen = (head_screen.ScreenedHead(packed[0], self.out_features)
+                       if len(packed) == 1 == len(parts) and fixed_activation_bits == 16 else None)
 
     def _keep(self, name: str, weight: q4.PackedQ4) -> None:
         """Register the packed tensors as buffers (counted in the model's size and fingerprint)."""
@@ -348,6 +351,23 @@ class GGUFLinear(nn.Module):
                     outs.append(ops.linear(flat.float(), weight, bias))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    @property
+    def screens(self) -> bool:
+        """Whether `screened_rows` may screen now (kernels built, settings allow)."""
+        return self.screen is not None and settings.current().screened_head and native.available()
+
+    def screened_rows(self, x: torch.Tensor, argmax_rows: list[int]) -> torch.Tensor:
+        """The head's fp32 outputs for x [M, K], where rows `argmax_rows` are screened
+        (`head_screen`: only their argmax is exact); the other rows as `forward` gives them."""
+        threads = settings.matmul_threads()
+        flat = x.reshape(-1, self.in_features)
+        if len(argmax_rows) == flat.shape[0]:
+            return self.screen(flat, threads)
+        out = self(flat).float()
+        index = torch.tensor(argmax_rows, dtype=torch.int64)
+        out[index] = self.screen(flat[index], threads)
+        return out
 
     def extra_repr(self) -> str:
         parts = ", ".join(f"{kind} ({kernel})" for kind, kernel in self.kernels)

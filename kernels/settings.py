@@ -27,6 +27,9 @@ class KernelSettings:
     batch_invariant: bool = True
     # the native attention kernels' products in bf16 pairs (head sizes that are multiples of 32), else fp32
     attention_bf16: bool = False
+    # greedy rows' LM head screened: 8-bit products, exact 16-bit ones where a row's maximum may be
+    # (same tokens; head_screen.py); off: the full exact head for every row
+    screened_head: bool = True
 
     def __post_init__(self) -> None:
         if self.activation_bits not in ACTIVATION_BITS:

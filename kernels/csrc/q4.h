@@ -96,6 +96,13 @@ void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations 
 void q4_linear_rows(const rb_q4_weight *const *ws, int64_t count, const float *x, q4_activations *scratch,
                     float *y, int64_t threads);
 
+/* out[i * 16 + r]: block `block` (16 output rows) of the unchained low-bit weight w, bias added, for
+   activation rows row0 .. row0 + rows - 1, rows <= rb_q4_tile_rows(); each output computed
+   exactly as q4_linear computes it */
+void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x, int64_t row0, int64_t rows,
+                   float *out);
+int rb_q4_tile_rows(void);
+
 /* 4 activation digits as one int32, to broadcast against 4 features of every weight row */
 static inline int32_t load_i32(const int8_t *p) {
     int32_t v;

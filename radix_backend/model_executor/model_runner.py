@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,6 +72,9 @@ class ForwardInput:
     kv_indices: torch.Tensor  # all slots of every sequence, prefix + new, concatenated
     out_slots: torch.Tensor  # slots of the new tokens
     logits_indices: list[int]  # rows of the flat token dim whose logits are wanted
+    # rows of the logits (positions in logits_indices) only picked from by argmax: the LM head may
+    # leave every value below the row's maximum inexact there (kernels/head_screen.py)
+    argmax_rows: list[int] = field(default_factory=list)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -334,7 +337,8 @@ class ModelRunner:
                 and self.graph_runner.can_run(meta)):
             return self.graph_runner.run(input_ids, positions, meta)
         logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=dev)
-        return self.model(input_ids, positions, self.kv_caches, self.attention_backend, meta, logits_indices)
+        return self.model(input_ids, positions, self.kv_caches, self.attention_backend, meta, logits_indices,
+                          argmax_rows=batch.argmax_rows)
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (a no-op for one process)."""

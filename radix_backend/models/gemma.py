@@ -16,7 +16,7 @@ Which config fields are honoured and the refusal of the rest live in `config_che
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -128,8 +128,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = self.layers[layer_id].self_attn.layer_type == "sliding_attention"
         return self.local_cos_sin_cache if local else self.cos_sin_cache
 
-    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super()._lm_head(hidden)
+    def _lm_head(self, hidden: torch.Tensor, argmax_rows: Sequence[int] = ()) -> torch.Tensor:
+        # tanh may round two different logits to one value: the argmax is kept exact only by the full head
+        logits = super()._lm_head(hidden, () if self.final_softcap is not None else argmax_rows)
         if self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -17,7 +17,7 @@ replicated: the simplest correct choice, and for the small vocabularies here the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -295,7 +295,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                backend: AttentionBackend, meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                backend: AttentionBackend, meta: AttentionMetadata, logits_indices: torch.Tensor,
+                argmax_rows: Sequence[int] = ()) -> torch.Tensor:
+        """Logits at the `logits_indices` rows; at `argmax_rows` (positions among them) only each row's
+        argmax is exact (the head may screen them: kernels/head_screen.py)."""
         backend.begin_forward(meta)
         hidden = self.embed(input_ids)
         stack = self.decode_stack
@@ -310,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
             residual = None
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
                 hidden, residual = layer(hidden, residual, positions, self.layer_cos_sin(i), kv, backend, meta)
-        return self.final_logits(hidden, residual, logits_indices)
+        return self.final_logits(hidden, residual, logits_indices, argmax_rows)
 
     def decode_stack_limit(self) -> int:
         """The largest step the decode stack takes now: a dense stack yields to oneDNN's per-layer
@@ -329,7 +332,8 @@ class LlamaForCausalLM(nn.Module):
         """The RoPE table of a layer (one for every layer here)."""
         return self.cos_sin_cache
 
-    def final_logits(self, hidden: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    def final_logits(self, hidden: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor,
+                     argmax_rows: Sequence[int] = ()) -> torch.Tensor:
         """The last layer's output added to the residual stream, normed, through the LM head, at
         the rows asked for."""
         hidden = hidden[logits_indices]
@@ -337,10 +341,10 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         threads = torch.get_num_threads()
         if self.head_threads <= threads:
-            return self._lm_head(hidden)
+            return self._lm_head(hidden, argmax_rows)
         torch.set_num_threads(self.head_threads)
         try:
-            return self._lm_head(hidden)
+            return self._lm_head(hidden, argmax_rows)
         finally:
             torch.set_num_threads(threads)
 
@@ -393,9 +397,12 @@ class LlamaForCausalLM(nn.Module):
         gate_up, down = _native_weight(layer.mlp.gate_up_proj), _native_weight(layer.mlp.down_proj)
         return None if gate_up is None or down is None else {"gate_up": gate_up, "down": down}
 
-    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_quant is not None:
-            logits = self.lm_head_quant(hidden).float()
+    def _lm_head(self, hidden: torch.Tensor, argmax_rows: Sequence[int] = ()) -> torch.Tensor:
+        head = self.lm_head_quant
+        if head is not None and argmax_rows and self.logits_scaling == 1.0 and getattr(head, "screens", False):
+            return head.screened_rows(hidden, list(argmax_rows))
+        if head is not None:
+            logits = head(hidden).float()
         else:
             logits = ops.linear(hidden, self.lm_head_weight).float()
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling

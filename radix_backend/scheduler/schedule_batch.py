@@ -47,6 +47,7 @@ class ScheduleBatch:
         extend_lens: list[int] = []
         kv_parts: list[torch.Tensor] = []
         logits_indices: list[int] = []
+        argmax_rows: list[int] = []  # logits rows only picked from by argmax
         offset = 0
         self.logit_rows = []
         for req, slots, n, draft in zip(self.reqs, self.new_slots, self.extend_lens, self.drafts):
@@ -60,6 +61,8 @@ class ScheduleBatch:
                     kv_parts.append(req.kv.slots)
                     kv_parts.append(slots[:j + 1])
                 self.logit_rows.append(n)
+                if req.picks_by_argmax:
+                    argmax_rows.extend(range(len(logits_indices), len(logits_indices) + n))
                 logits_indices.extend(range(offset, offset + n))
                 offset += n
                 continue
@@ -71,11 +74,14 @@ class ScheduleBatch:
             kv_parts.append(slots)
             rows = logit_positions(req, start, n)
             self.logit_rows.append(len(rows))
+            if rows and rows[-1] == req.seq_len - 1 and req.remaining_new_tokens > 0 and req.picks_by_argmax:
+                argmax_rows.append(len(logits_indices) + len(rows) - 1)  # the row it samples from
             logits_indices.extend(offset + (p - start) for p in rows)
             offset += n
         return ForwardInput(input_ids=input_ids, positions=positions, prefix_lens=prefix_lens,
                             extend_lens=extend_lens, kv_indices=torch.cat(kv_parts),
-                            out_slots=torch.cat(self.new_slots), logits_indices=logits_indices)
+                            out_slots=torch.cat(self.new_slots), logits_indices=logits_indices,
+                            argmax_rows=argmax_rows)
 
 
 def logit_positions(req: Req, start: int, n: int) -> list[int]:
