@@ -60,7 +60,7 @@ static void table_part(void *ctx, int64_t part, int64_t parts) {
     const rb_q4_weight *w = job->w;
     const int64_t G = w->in / 32, blocks = w->out / Q4_ROWS, stride = q4_param_stride(w);
     const int hb = w->high_bits, kind = w->params_kind, S = w->layout == Q4_SCALE_OFFSET ? 1 : 2;
-    const double largest = (double)((1 << (4 + hb)) - 1), off = w->offset;
+    const double top_code = (double)((1 << (4 + hb)) - 1), off = w->offset;
     const double rounding = (4.0 * (double)G + 8.0) * ldexp(1.0, -24);
     for (int64_t b = blocks * part / parts; b < blocks * (part + 1) / parts; b++) {
         const uint8_t *params = (const uint8_t *)w->params + b * G * stride;
@@ -70,7 +70,7 @@ static void table_part(void *ctx, int64_t part, int64_t parts) {
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *codes = w->codes + (b * G + g) * 4 * Q4_ROWS * 4;
             const uint8_t *high = hb ? w->high + (b * G + g) * hb * 64 : NULL;
-            double largest = 0.0;
+            double block_max = 0.0;
             for (int r = 0; r < Q4_ROWS; r++) {
                 double first = param_at(params + g * stride, kind, r);
                 double second = S == 2 ? param_at(params + g * stride, kind, Q4_ROWS + r) : first;
@@ -84,14 +84,14 @@ static void table_part(void *ctx, int64_t part, int64_t parts) {
                     const double scale = w->layout == Q4_SCALE16_OFFSET && f >= 16 ? second : first;
                     const double minimum = w->layout == Q4_SCALE_MIN ? second : -scale * off;
                     weights += fabs(scale * code + minimum);
-                    terms += fabs(scale) * largest + fabs(minimum);
+                    terms += fabs(scale) * top_code + fabs(minimum);
                 }
                 const double factor = weights * 0.51 * (1.0 + (double)Q8_MAX / Q16_MAX)
                                     + 2.0 * rounding * terms * Q8_MAX;
                 sums[r] += factor * 1.001;
-                largest = factor * 1.001 > largest ? factor * 1.001 : largest;
+                block_max = factor * 1.001 > block_max ? factor * 1.001 : block_max;
             }
-            table[Q4_ROWS + g] = (float)(largest * 1.000001);
+            table[Q4_ROWS + g] = (float)(block_max * 1.000001);
         }
         for (int r = 0; r < Q4_ROWS; r++) table[r] = (float)(sums[r] * 1.000001);
     }
@@ -187,57 +187,41 @@ static inline int lanes_any_ge(lanes16 v, float t) {
 #endif
 }
 
-/* 8-bit outputs of a range of blocks for every row. A block is marked `maybe` when an upper bound
-   reaches the largest lower bound seen so far (reduced only then: it only grows towards the
-   row's threshold), so most blocks cost a compare and a lane-wise max. */
-static void sweep_part(void *ctx, int64_t part, int64_t parts) {
+/* After the 8-bit matmul wrote a tile (rows m0.. of one block): each row's bounds. A block is marked
+   `maybe` when an upper bound reaches the largest lower bound its part has seen so far (reduced only
+   then: it only grows towards the row's threshold), so most tiles cost a compare and a lane-wise max. */
+static void bound_tile(void *ctx, int64_t part, int64_t b, int64_t m0, int64_t rows) {
     const screen_job *job = (const screen_job *)ctx;
     const rb_q4_weight *w = job->w;
-    const int64_t G = w->in / 32, blocks = w->out / Q4_ROWS, tile = rb_q4_tile_rows(), M = job->M;
+    const int64_t G = w->in / 32, blocks = w->out / Q4_ROWS, M = job->M;
     const lanes16 zero = {0}, ulps = zero + 0x1p-20f, none = zero - INFINITY;
     const ilanes16 magnitude = (ilanes16){0} + 0x7FFFFFFF, lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     lanes16 *running = job->state + part * M * 2; /* per row: largest lower bounds, finiteness check */
-    float *seen = job->thr + part; /* per row (stride job->parts): the largest lower bound reduced so far */
-    for (int64_t m = 0; m < M; m++) running[2 * m] = none, running[2 * m + 1] = zero;
-    float out[16 * Q4_ROWS];
-    for (int64_t b = blocks * part / parts; b < blocks * (part + 1) / parts; b++) {
-        const float *factors = job->table + b * (Q4_ROWS + G);
-        lanes16 sums;
-        memcpy(&sums, factors, sizeof sums);
-        const int padded = job->valid < (b + 1) * Q4_ROWS;
-        const ilanes16 padding = lane >= (int32_t)(padded ? job->valid - b * Q4_ROWS : 16);
-        for (int64_t m0 = 0; m0 < M; m0 += tile) {
-            const int64_t rows = M - m0 < tile ? M - m0 : tile;
-            q4_block_rows(w, b, job->q8, m0, rows, out);
-            for (int64_t i = 0; i < rows; i++) {
-                const int64_t m = m0 + i;
-                const row_scales *rs = job->rows + m;
-                float excess = 0.f;
-                for (int k = 0; k < TOP; k++) excess += factors[Q4_ROWS + rs->group[k]] * rs->excess[k];
-                lanes16 v, err = sums * rs->cap + excess;
-                memcpy(&v, out + i * Q4_ROWS, sizeof v);
-                memcpy(job->y + m * w->out + b * Q4_ROWS, &v, sizeof v);
-                err += (lanes16)((ilanes16)v & magnitude) * ulps; /* |v| */
-                lanes16 lower = v - err, upper = v + err;
-                running[2 * m + 1] += (upper - lower) * zero; /* NaN once a bound is not finite */
-                if (padded) {
-                    lower = (lanes16)((padding & (ilanes16)none) | (~padding & (ilanes16)lower));
-                    upper = (lanes16)((padding & (ilanes16)none) | (~padding & (ilanes16)upper));
-                }
-                running[2 * m] = lanes_vmax(running[2 * m], lower);
-                float *thr = seen + m * job->parts;
-                if (lanes_any_ge(upper, *thr)) {
-                    const float top = lanes_max(running[2 * m]);
-                    *thr = top > *thr ? top : *thr;
-                    if (lanes_any_ge(upper, *thr)) job->maybe[m * blocks + b] = 1, job->upper[m * blocks + b] = lanes_max(upper);
-                }
-            }
+    const float *factors = job->table + b * (Q4_ROWS + G);
+    const int padded = job->valid < (b + 1) * Q4_ROWS;
+    const ilanes16 padding = lane >= (int32_t)(padded ? job->valid - b * Q4_ROWS : 16);
+    lanes16 sums;
+    memcpy(&sums, factors, sizeof sums);
+    for (int64_t m = m0; m < m0 + rows; m++) {
+        const row_scales *rs = job->rows + m;
+        float excess = 0.f;
+        for (int k = 0; k < TOP; k++) excess += factors[Q4_ROWS + rs->group[k]] * rs->excess[k];
+        lanes16 v, err = sums * rs->cap + excess;
+        memcpy(&v, job->y + m * w->out + b * Q4_ROWS, sizeof v);
+        err += (lanes16)((ilanes16)v & magnitude) * ulps; /* |v| */
+        lanes16 lower = v - err, upper = v + err;
+        running[2 * m + 1] += (upper - lower) * zero; /* NaN once a bound is not finite */
+        if (padded) {
+            lower = (lanes16)((padding & (ilanes16)none) | (~padding & (ilanes16)lower));
+            upper = (lanes16)((padding & (ilanes16)none) | (~padding & (ilanes16)upper));
         }
-    }
-    for (int64_t m = 0; m < M; m++) {
-        float *thr = seen + m * job->parts;
-        const float top = lanes_max(running[2 * m]);
-        *thr = isnan(lanes_sum(running[2 * m + 1])) ? NAN : (top > *thr ? top : *thr);
+        running[2 * m] = lanes_vmax(running[2 * m], lower);
+        float *thr = job->thr + m * job->parts + part;
+        if (lanes_any_ge(upper, *thr)) {
+            const float top = lanes_max(running[2 * m]);
+            *thr = top > *thr ? top : *thr;
+            if (lanes_any_ge(upper, *thr)) job->maybe[m * blocks + b] = 1, job->upper[m * blocks + b] = lanes_max(upper);
+        }
     }
 }
 
@@ -255,10 +239,12 @@ static void exact_part(void *ctx, int64_t part, int64_t parts) {
     for (int64_t m = job->M * part / parts; m < job->M * (part + 1) / parts; m++) {
         float thr = -INFINITY;
         int whole = 0;
-        for (int64_t p = 0; p < job->parts; p++) {
-            const float t = job->thr[m * job->parts + p];
-            whole |= isnan(t);
-            thr = t > thr ? t : thr;
+        for (int64_t p = 0; p < job->parts; p++) { /* every part's largest lower bound and check */
+            const lanes16 *running = job->state + (p * job->M + m) * 2;
+            const float seen = job->thr[m * job->parts + p], top = lanes_max(running[0]);
+            whole |= isnan(lanes_sum(running[1]));
+            thr = seen > thr ? seen : thr;
+            thr = top > thr ? top : thr;
         }
         int64_t b = 0;
         while (b < blocks && !exact_needed(job, m * blocks + b, thr, whole)) b++;
@@ -297,11 +283,13 @@ int rb_q4_screened(const rb_q4_weight *w, const float *table, const float *x, in
                       scratch + state + upper + thr + scales, (float *)(scratch + state),
                       (float *)(scratch + state + upper), (lanes16 *)scratch};
     memset(job.maybe, 0, (size_t)(M * blocks));
+    const lanes16 zero = {0};
     for (int64_t i = 0; i < M * parts; i++) job.thr[i] = -INFINITY;
+    for (int64_t i = 0; i < M * parts; i++) job.state[2 * i] = zero - INFINITY, job.state[2 * i + 1] = zero;
     q4_quantize(x, M, w->in, &q8, threads);
     q4_quantize(x, M, w->in, &q16, threads);
     for (int64_t m = 0; m < M; m++) row_scales_of(q8.scale + m * G, G, (row_scales *)job.rows + m);
-    rb_parallel(sweep_part, &job, parts);
+    q4_linear_hooked(w, &q8, M, y, parts, bound_tile, &job);
     rb_parallel(exact_part, &job, M < parts ? M : parts);
     q4_activations_free(&q16);
     q4_activations_free(&q8);

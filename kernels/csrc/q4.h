@@ -96,6 +96,13 @@ void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations 
 void q4_linear_rows(const rb_q4_weight *const *ws, int64_t count, const float *x, q4_activations *scratch,
                     float *y, int64_t threads);
 
+/* Called after the matmul wrote y's rows m0 .. m0 + rows - 1 of a block of 16 outputs, on the thread
+   that computed them (part `part` of the thread pool's split), while they are in cache. */
+typedef void (*q4_tile_hook)(void *ctx, int64_t part, int64_t block, int64_t m0, int64_t rows);
+/* q4_linear on activations already quantized into x, calling `hook` after every tile */
+void q4_linear_hooked(const rb_q4_weight *w, const q4_activations *x, int64_t M, float *y, int64_t threads,
+                      q4_tile_hook hook, void *hook_ctx);
+
 /* out[i * 16 + r]: block `block` (16 output rows) of the unchained low-bit weight w, bias added, for
    activation rows row0 .. row0 + rows - 1, rows <= rb_q4_tile_rows(); each output computed
    exactly as q4_linear computes it */

@@ -538,6 +538,8 @@ typedef struct {
     const q4_activations *x;
     int64_t M;
     float *y;
+    q4_tile_hook hook; /* or NULL */
+    void *hook_ctx;
 } q4_job;
 
 /* Block `block` (of 16 output rows) of an unchained weight for activation rows row0 .. row0 + rows
@@ -582,6 +584,7 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
                         float *ym = job->y + (m0 + i) * width + block * Q4_ROWS;
                         for (int r = 0; r < Q4_ROWS; r++) ym[r] = out[i * Q4_ROWS + r] + (bias ? bias[r] : 0.f);
                     }
+                    if (job->hook) job->hook(job->hook_ctx, part, block, m0, rows);
                 }
             }
         }
@@ -635,7 +638,13 @@ void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations 
     }
     scratch->offset_digits = 0;
     q4_quantize(x, M, w->in, scratch, threads);
-    q4_job job = {w, scratch, M, y};
+    q4_job job = {w, scratch, M, y, NULL, NULL};
+    rb_parallel(q4_part, &job, threads);
+}
+
+void q4_linear_hooked(const rb_q4_weight *w, const q4_activations *x, int64_t M, float *y, int64_t threads,
+                      q4_tile_hook hook, void *hook_ctx) {
+    q4_job job = {w, x, M, y, hook, hook_ctx};
     rb_parallel(q4_part, &job, threads);
 }
 
