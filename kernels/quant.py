@@ -364,9 +364,11 @@ class GGUFLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if len(argmax_rows) == flat.shape[0]:
             return self.screen(flat, threads)
-        out = self(flat).float()
-        index = torch.tensor(argmax_rows, dtype=torch.int64)
-        out[index] = self.screen(flat[index], threads)
+        screened = torch.zeros(flat.shape[0], dtype=torch.bool)
+        screened[argmax_rows] = True
+        out = torch.empty(flat.shape[0], self.out_features)
+        out[~screened] = self(flat[~screened]).float()  # each row's outputs are its own (batch invariance)
+        out[screened] = self.screen(flat[screened], threads)
         return out
 
     def extra_repr(self) -> str:

@@ -263,7 +263,7 @@ static void exact_part(void *ctx, int64_t part, int64_t parts) {
 
 int rb_q4_screened(const rb_q4_weight *w, const float *table, const float *x, int64_t M, int64_t valid,
                    float *y, int64_t threads) {
-    if (w->next || w->dense || rb_q4_tile_rows() > 16 || valid < 1 || valid > w->out || M < 1) return -2;
+    if (w->next || w->dense || valid < 1 || valid > w->out || M < 1) return -2;
     const int64_t G = w->in / 32, blocks = w->out / Q4_ROWS, parts = threads < 1 ? 1 : threads;
     const size_t state = sizeof(lanes16) * 2 * (size_t)(parts * M), upper = sizeof(float) * (size_t)(M * blocks);
     const size_t thr = sizeof(float) * (size_t)(M * parts), scales = sizeof(row_scales) * (size_t)M;
