@@ -9,9 +9,12 @@
    and s16 = amax / Q16_MAX. For output row j with group weights w, |8-bit - 16-bit| over the group
    is at most sum |w| * 0.51 * (s8 + s16), plus both products' float rounding: each group adds at
    most 4 terms of magnitude <= 32 * (|scale| * largest code + |minimum|) * amax to a sum of 4G
-   terms, i.e. (4G + 8) * 2^-24 of that per product. Both are a factor of s8 per (j, g): the table.
-   err_j = sum_g table[j, g] * s8[g] (+ a few ulps of the 8-bit value, for the rounding of err and
-   of the sums below), so lower_j = y8_j - err_j <= y16_j <= y8_j + err_j = upper_j.
+   terms, i.e. (4G + 8) * 2^-24 of that per product. Both are a factor f[j, g] of s8[g], so the
+   distance is at most sum_g f[j, g] s8[g] <= cap * sum_g f[j, g] + sum_top (s8[g] - cap) * (the
+   largest f[., g] of j's block of 16), cap the row's 9th-largest s8 and `top` its 8 largest
+   groups: the table keeps those two factors. err_j is that plus a few ulps of the 8-bit value (for
+   the rounding of err and of the sums below), so lower_j = y8_j - err_j <= y16_j <= y8_j + err_j
+   = upper_j.
 
    The pick. thr = max_j lower_j <= max_j y16_j. An output with upper_j < thr is below the maximum,
    and so is its 8-bit value; every block holding an output with upper_j >= thr is recomputed at 16
