@@ -17,7 +17,7 @@ from .q4 import PackedQ4
 
 class ScreenedHead:
     """The screened product of one natively packed head weight; its bound table (4 bytes per
-    output and per 16 x 32 weights) is built on the first call."""
+    output and per 16 x 32 weights) is built by the first `table` or screened call."""
 
     def __init__(self, weight: PackedQ4, valid: int) -> None:
         """`valid`: the head's real outputs (the packing pads to blocks of 16; padding is never picked)."""
@@ -28,6 +28,7 @@ class ScreenedHead:
         self._table: torch.Tensor | None = None
 
     def table(self, threads: int) -> torch.Tensor:
+        """The bound table, built on `threads` threads the first time."""
         if self._table is None:
             groups = self.weight.in_features // 32
             table = torch.empty(self.weight.out_features // 16, 16 + groups)
