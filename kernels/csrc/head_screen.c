@@ -34,25 +34,6 @@
 /* ---- the table: per block of 16 output rows, 16 + G floats: each row's bound factor of s8 summed
    over the groups, then per group the largest factor of the block's rows ---- */
 
-static inline float param_at(const uint8_t *params, int kind, int64_t i) {
-    if (kind == Q4_PARAMS_F32) return ((const float *)params)[i];
-    if (kind == Q4_PARAMS_K) return (float)((const int8_t *)params)[i];
-    return (float)((const _Float16 *)params)[i];
-}
-
-/* the code of feature f (0..31) of row r in a group's codes and high planes (q4.h's layout) */
-static inline int32_t code_at(const uint8_t *codes, const uint8_t *high, int hb, int r, int f) {
-    const int j = f / 4, k = f % 4; /* quad j: features 4j..4j+3 */
-    const uint8_t c = codes[((j % 4) * Q4_ROWS + r) * 4 + k];
-    int32_t code = j < 4 ? (c & 15) : (c >> 4);
-    if (hb) {
-        const int bit = j * hb;
-        const uint8_t h = high[((bit / 8) * Q4_ROWS + r) * 4 + k];
-        code |= ((h >> (bit % 8)) & ((1 << hb) - 1)) << 4;
-    }
-    return code;
-}
-
 typedef struct {
     const rb_q4_weight *w;
     float *table;
@@ -75,15 +56,15 @@ static void table_part(void *ctx, int64_t part, int64_t parts) {
             const uint8_t *high = hb ? w->high + (b * G + g) * hb * 64 : NULL;
             double block_max = 0.0;
             for (int r = 0; r < Q4_ROWS; r++) {
-                double first = param_at(params + g * stride, kind, r);
-                double second = S == 2 ? param_at(params + g * stride, kind, Q4_ROWS + r) : first;
+                double first = q4_param(params + g * stride, kind, r);
+                double second = S == 2 ? q4_param(params + g * stride, kind, Q4_ROWS + r) : first;
                 if (kind == Q4_PARAMS_K) {
                     first *= (double)super[(g / 8) * 2 * Q4_ROWS + r];
                     second *= (double)super[(g / 8) * 2 * Q4_ROWS + Q4_ROWS + r];
                 }
                 double weights = 0.0, terms = 0.0;
                 for (int f = 0; f < 32; f++) {
-                    const double code = code_at(codes, high, hb, r, f);
+                    const double code = q4_code(codes, high, hb, r, f);
                     const double scale = w->layout == Q4_SCALE16_OFFSET && f >= 16 ? second : first;
                     const double minimum = w->layout == Q4_SCALE_MIN ? second : -scale * off;
                     weights += fabs(scale * code + minimum);

@@ -110,6 +110,27 @@ void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x
                    float *out);
 int rb_q4_tile_rows(void);
 
+/* parameter i of a block's group parameters, as a float, in its storage kind */
+static inline float q4_param(const uint8_t *params, int kind, int64_t i) {
+    if (kind == Q4_PARAMS_F32) return ((const float *)params)[i];
+    if (kind == Q4_PARAMS_K) return (float)((const int8_t *)params)[i];
+    return (float)((const _Float16 *)params)[i];
+}
+
+/* the code of feature f (0..31) of row r, from one group's codes [4, 16, 4] and high planes
+   [high_bits, 64] (NULL without them): the portable kernel's and the screened head's reader */
+static inline int32_t q4_code(const uint8_t *codes, const uint8_t *high, int hb, int r, int f) {
+    const int j = f / 4, k = f % 4; /* quad j: features 4j..4j+3 */
+    const uint8_t c = codes[((j % 4) * Q4_ROWS + r) * 4 + k];
+    int32_t code = j < 4 ? (c & 15) : (c >> 4);
+    if (hb) {
+        const int bit = j * hb;
+        const uint8_t h = high[((bit / 8) * Q4_ROWS + r) * 4 + k];
+        code |= ((h >> (bit % 8)) & ((1 << hb) - 1)) << 4;
+    }
+    return code;
+}
+
 /* 4 activation digits as one int32, to broadcast against 4 features of every weight row */
 static inline int32_t load_i32(const int8_t *p) {
     int32_t v;

@@ -476,12 +476,6 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
     }
 }
 #else
-static inline float q4_param(const uint8_t *params, int kind, int64_t i) {
-    if (kind == Q4_PARAMS_F32) return ((const float *)params)[i];
-    if (kind == Q4_PARAMS_K) return (float)((const int8_t *)params)[i];
-    return (float)((const _Float16 *)params)[i];
-}
-
 /* portable: the same integer arithmetic, one product at a time */
 static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
                     const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
@@ -497,17 +491,8 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
                 int32_t dot[2] = {0, 0};
                 for (int p = 0; p < P; p++) {
                     dot[0] *= 256, dot[1] *= 256;
-                    for (int j = 0; j < 8; j++)
-                        for (int k = 0; k < 4; k++) {
-                            const uint8_t c = codes[((g * 4 + j % 4) * Q4_ROWS + r) * 4 + k];
-                            int32_t code = j < 4 ? (c & 15) : (c >> 4);
-                            if (hb) {
-                                const int bit = j * hb;
-                                const uint8_t h = high[((g * hb + bit / 8) * Q4_ROWS + r) * 4 + k];
-                                code |= ((h >> (bit % 8)) & ((1 << hb) - 1)) << 4;
-                            }
-                            dot[j / 4] += code * q[p * 32 + 4 * j + k];
-                        }
+                    for (int f = 0; f < 32; f++)
+                        dot[f / 16] += q4_code(codes + g * 4 * 64, hb ? high + g * hb * 64 : NULL, hb, r, f) * q[p * 32 + f];
                 }
                 float first = q4_param(params, kind, g * S * Q4_ROWS + r);
                 float second = S == 2 ? q4_param(params, kind, (g * S + 1) * Q4_ROWS + r) : first;
