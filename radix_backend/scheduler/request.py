@@ -220,12 +220,9 @@ class Req:
 
     @property
     def picks_by_argmax(self) -> bool:
-        """Its next tokens are the plain argmax of the model's logits (greedy, nothing that reads or
-        edits the logits: penalties, bias, logprobs, a grammar, min_new_tokens), so the LM head may
-        compute only what decides the argmax (kernels/head_screen.py)."""
-        p = self.params
-        return (p.is_greedy and not p.has_penalties and not p.logit_bias and not p.logprobs
-                and self.constraint is None and not self.below_min_tokens and not self.return_next_logits)
+        """Its next tokens are the plain argmax of the model's logits (`SamplerRow.argmax_only`) and it
+        keeps no logits, so the LM head may compute only what decides the argmax (kernels/head_screen.py)."""
+        return not self.return_next_logits and self.sampler_row().argmax_only
 
     def record_input_logprobs(self, rows: torch.Tensor, start: int) -> None:
         """Append the logprobs of the prompt tokens that `rows` (logits from position

@@ -30,6 +30,14 @@ class SamplerRow:
     suppressed: set[int] = field(default_factory=set)  # stop tokens not allowed yet (min_new_tokens)
     constraint: Any = None  # a scheduler.constrained.TokenConstraint masking the row
 
+    @property
+    def argmax_only(self) -> bool:
+        """The pick is the plain argmax of the raw logits: greedy, and nothing below edits or reads
+        them (penalties, logit bias, suppressed tokens, a grammar, logprobs)."""
+        p = self.params
+        return (p.is_greedy and not p.has_penalties and not p.logit_bias and not self.suppressed
+                and self.constraint is None and not p.logprobs)
+
 
 Picked = tuple[int, "TokenLogprob | None"]  # the token and, when asked for, its logprob entry
 logger = logging.getLogger(__name__)
