@@ -4,10 +4,13 @@
 #include <stdint.h>
 
 /* the 64-byte lines of `floats` floats from `row` on, fetched ahead (pool rows are scattered: no
-   hardware prefetcher follows them) */
+   hardware prefetcher follows them). The empty volatile asm is a side effect: GCC counts a prefetch
+   as none, judged a helper around it pure and deleted every call whose result went unused, so no
+   caller's prefetch was ever compiled in. */
 static inline void rb_prefetch_floats(const float *row, int64_t floats) {
     const char *bytes = (const char *)row;
     for (int64_t c = 0; c < floats * (int64_t)sizeof(float); c += 64) __builtin_prefetch(bytes + c);
+    __asm__ __volatile__("");
 }
 
 int rb_decode_attention(const float *q, const float *k_cache, const float *v_cache,

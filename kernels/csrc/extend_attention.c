@@ -693,13 +693,33 @@ typedef struct {
 
 static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp_vec's value, lane 0 */
 
-#define PREFETCH_KEYS 8 /* keys ahead whose K and V rows are fetched while this one is read */
+/* The key block a thread reads next: the rest of its member's keys, the chunk's next member, or the
+   first keys of the task it has already claimed. Their K and V rows are fetched while this block's
+   arithmetic runs, a key or two per step of its loops: a decode row's keys lie at scattered slots
+   that no hardware prefetcher follows, and a block's 256 lines requested at once overflowed the
+   core's outstanding misses and left the arithmetic waiting (1.4-1.8x the time of a decode step's
+   attention over contexts of 200-1,000 keys). */
+typedef struct {
+    const extend_job *a;
+    const int64_t *slots; /* NULL: nothing known to follow */
+    int64_t n, h;         /* keys (at most a block) and kv head */
+} upcoming_keys;
 
-/* key i's K and V rows (kv head h) of `slots` */
-static inline void prefetch_key(const extend_job *a, const int64_t *slots, int64_t i, int64_t h) {
-    const int64_t at = slots[i] * a->hkv * a->dim + h * a->dim, floats = a->bf16 == KV16 ? a->dim / 2 : a->dim;
+/* key i of the upcoming block, if it has one (up may be NULL) */
+static inline void prefetch_upcoming(const upcoming_keys *up, int64_t i) {
+    if (!up || !up->slots || i >= up->n) return;
+    const extend_job *a = up->a;
+    const int64_t at = up->slots[i] * a->hkv * a->dim + up->h * a->dim, floats = a->bf16 == KV16 ? a->dim / 2 : a->dim;
     rb_prefetch_floats(pool_at(a->k_cache, a->bf16, at), floats), rb_prefetch_floats(pool_at(a->v_cache, a->bf16, at), floats);
 }
+
+/* keys [from, to) of the upcoming block: those a loop's steps did not reach */
+static inline void prefetch_upcoming_range(const upcoming_keys *up, int64_t from, int64_t to) {
+    for (int64_t i = from; up && i < to; i++) prefetch_upcoming(up, i);
+}
+
+/* the scores loop fetches the first half of the upcoming block, the values loop the second */
+#define UPCOMING_HALF (BLOCK_KEYS / 2)
 
 #define DECODE_CHAINS 4 /* independent vectors per pass: one chain of D dependent FMAs was latency bound */
 #if VEC == 16
@@ -712,9 +732,11 @@ static inline void prefetch_key(const extend_job *a, const int64_t *slots, int64
    (both constants where inlined): each lane's fused multiply-adds run over d in order, as one
    vector of one head at a time would, so the bits do not depend on the blocking. */
 static inline __attribute__((always_inline)) void decode_scores(const float *kt, const float *qs, int64_t D,
-                                                                int64_t u0, float *s, const int c, const int heads) {
+                                                                int64_t u0, float *s, const int c, const int heads,
+                                                                const upcoming_keys *up) {
     vec acc[DECODE_HEADS][DECODE_CHAINS] = {{{0}}};
     for (int64_t d = 0; d < D; d++) {
+        if (d < UPCOMING_HALF) prefetch_upcoming(up, d);
         const vec *k = (const vec *)(kt + d * BLOCK_KEYS) + u0;
         vec kv[DECODE_CHAINS];
         for (int i = 0; i < c; i++) kv[i] = k[i];
@@ -732,12 +754,14 @@ static inline __attribute__((always_inline)) void decode_scores(const float *kt,
    key order) */
 static inline __attribute__((always_inline)) void decode_values(const extend_job *a, const int64_t *slots,
                                                                 int64_t row, int64_t h, const float *p, int64_t n,
-                                                                int64_t d0, float *o, const int c, const int heads) {
+                                                                int64_t d0, float *o, const int c, const int heads,
+                                                                const upcoming_keys *up) {
     const int64_t D = a->dim;
     vec acc[DECODE_HEADS][DECODE_CHAINS];
     for (int g = 0; g < heads; g++)
         for (int i = 0; i < c; i++) acc[g][i] = *(const vec *)(o + g * D + d0 + i * VEC);
     for (int64_t j = 0; j < n; j++) {
+        if (j < UPCOMING_HALF) prefetch_upcoming(up, UPCOMING_HALF + j);
         const float *v = a->v_cache + slots[j] * row + h * D + d0;
         vec vv[DECODE_CHAINS];
         for (int i = 0; i < c; i++) vv[i] = *(const vec *)(v + i * VEC);
@@ -773,24 +797,15 @@ static void member_begin(const extend_job *a, const decode_scratch *t, int64_t m
     memset(t->o + m * G * D, 0, sizeof(float) * G * D);
 }
 
-/* K and V rows of keys [j, j + PREFETCH_KEYS) of `slots` below L, fetched ahead */
-static void prefetch_keys(const extend_job *a, const int64_t *slots, int64_t j, int64_t L, int64_t h) {
-    for (int64_t i = j; i < j + PREFETCH_KEYS && i < L; i++) prefetch_key(a, slots, i, h);
-}
-
-/* t->kt = the n keys of block j0 of `slots` (L keys in all), transposed; lanes past n repeat the
-   last key and are never used */
-static void load_block(const extend_job *a, const decode_scratch *t, const int64_t *slots, int64_t L, int64_t h,
+/* t->kt = the n keys of block j0 of `slots`, transposed; lanes past n repeat the last key and are
+   never used */
+static void load_block(const extend_job *a, const decode_scratch *t, const int64_t *slots, int64_t h,
                        int64_t j0, int64_t n) {
     const int64_t D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC;
-    /* bf16: the block's values are read right after its keys, so keys are fetched a block ahead
-       (a few keys ahead left the value rows' loads waiting on memory) */
-    const int64_t ahead = a->bf16 ? BLOCK_KEYS : PREFETCH_KEYS;
     for (int64_t u = 0; u < nv; u++) {
         const float *k[VEC];
         for (int64_t i = 0; i < VEC; i++) {
             const int64_t j = u * VEC + i;
-            if (j0 + j + ahead < L) prefetch_key(a, slots, j0 + j + ahead, h);
             k[i] = pool_at(a->k_cache, a->bf16, slots[j0 + (j < n ? j : n - 1)] * row + h * D);
         }
         if (!a->bf16) {
@@ -847,9 +862,11 @@ static inline __attribute__((always_inline)) void block_softmax(const extend_job
 /* decode_scores with bf16 pairs of features */
 static inline __attribute__((always_inline)) void decode_scores_bf16(const uint32_t *ktw, const uint32_t *qw,
                                                                      int64_t pairs, int64_t u0, float *s,
-                                                                     const int c, const int heads) {
+                                                                     const int c, const int heads,
+                                                                     const upcoming_keys *up) {
     vec acc[DECODE_HEADS][DECODE_CHAINS] = {{{0}}};
     for (int64_t i = 0; i < pairs; i++) {
+        if (i < UPCOMING_HALF) prefetch_upcoming(up, i);
         const wvec *k = (const wvec *)(ktw + i * BLOCK_KEYS) + u0;
         wvec kv[DECODE_CHAINS];
         for (int j = 0; j < c; j++) kv[j] = k[j];
@@ -865,11 +882,13 @@ static inline __attribute__((always_inline)) void decode_scores_bf16(const uint3
 /* decode_values with bf16 pairs of keys (`pairs` of them) */
 static inline __attribute__((always_inline)) void decode_values_bf16(const uint32_t *vpw, const uint32_t *pw,
                                                                      int64_t pairs, int64_t D, int64_t d0, float *o,
-                                                                     const int c, const int heads) {
+                                                                     const int c, const int heads,
+                                                                     const upcoming_keys *up) {
     vec acc[DECODE_HEADS][DECODE_CHAINS];
     for (int g = 0; g < heads; g++)
         for (int i = 0; i < c; i++) acc[g][i] = *(const vec *)(o + g * D + d0 + i * VEC);
     for (int64_t jp = 0; jp < pairs; jp++) {
+        if (jp < UPCOMING_HALF) prefetch_upcoming(up, UPCOMING_HALF + jp);
         wvec vv[DECODE_CHAINS];
         for (int i = 0; i < c; i++) vv[i] = *(const wvec *)(vpw + jp * D + d0 + i * VEC);
         for (int g = 0; g < heads; g++) {
@@ -887,19 +906,22 @@ static inline __attribute__((always_inline)) void decode_values_bf16(const uint3
    caller (noinline): a copy specialised for a constant n == BLOCK_KEYS fused other multiplies and
    adds (the rescaled sum) and changed bits. */
 static __attribute__((noinline)) void member_block(const extend_job *a, const decode_scratch *t, int64_t m,
-                                                  const int64_t *slots, int64_t h, int64_t j0, int64_t n) {
+                                                  const int64_t *slots, int64_t h, int64_t j0, int64_t n,
+                                                  const upcoming_keys *up) {
     const int64_t G = a->group, D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC, pairs = (n + 1) / 2;
     const float *qs = t->qs + m * G * D;
     const uint32_t *qw = a->bf16 ? t->qw + m * G * D / 2 : NULL;
     float *o = t->o + m * G * D;
     for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
         for (int64_t u0 = 0; u0 < nv; u0 += DECODE_CHAINS) {
+            const upcoming_keys *fetch = g0 == 0 && u0 == 0 ? up : NULL; /* the first pass fetches */
 #define SCORES(c, heads)                                                                            \
-    if (a->bf16) decode_scores_bf16(t->ktw, qw + g0 * D / 2, D / 2, u0, t->s + g0 * BLOCK_KEYS, c, heads); \
-    else decode_scores(t->kt, qs + g0 * D, D, u0, t->s + g0 * BLOCK_KEYS, c, heads);
+    if (a->bf16) decode_scores_bf16(t->ktw, qw + g0 * D / 2, D / 2, u0, t->s + g0 * BLOCK_KEYS, c, heads, fetch); \
+    else decode_scores(t->kt, qs + g0 * D, D, u0, t->s + g0 * BLOCK_KEYS, c, heads, fetch);
             DECODE_SWITCH(nv - u0, G - g0, SCORES)
 #undef SCORES
         }
+    prefetch_upcoming_range(up, a->bf16 ? D / 2 : D, UPCOMING_HALF); /* a head too small to reach them */
     for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS) {
 #define SOFTMAX(unused, heads) block_softmax(a, t, m * G + g0, t->s + g0 * BLOCK_KEYS, o + g0 * D, n, nv, heads);
         HEADS_SWITCH(G - g0, SOFTMAX, 0)
@@ -912,12 +934,14 @@ static __attribute__((noinline)) void member_block(const extend_job *a, const de
     }
     for (int64_t g0 = 0; g0 < G; g0 += DECODE_HEADS)
         for (int64_t d0 = 0; d0 < D; d0 += DECODE_CHAINS * VEC) {
+            const upcoming_keys *fetch = g0 == 0 && d0 == 0 ? up : NULL;
 #define VALUES(c, heads)                                                                            \
-    if (a->bf16) decode_values_bf16(t->vpw, t->pw + g0 * BF16_PAIRS, pairs, D, d0, o + g0 * D, c, heads); \
-    else decode_values(a, slots + j0, row, h, t->s + g0 * BLOCK_KEYS, n, d0, o + g0 * D, c, heads);
+    if (a->bf16) decode_values_bf16(t->vpw, t->pw + g0 * BF16_PAIRS, pairs, D, d0, o + g0 * D, c, heads, fetch); \
+    else decode_values(a, slots + j0, row, h, t->s + g0 * BLOCK_KEYS, n, d0, o + g0 * D, c, heads, fetch);
             DECODE_SWITCH((D - d0) / VEC, G - g0, VALUES)
 #undef VALUES
         }
+    prefetch_upcoming_range(up, UPCOMING_HALF + (a->bf16 ? pairs : n), BLOCK_KEYS); /* a short last block's */
 }
 
 static void member_end(const extend_job *a, const decode_scratch *t, int64_t m, int64_t b, int64_t h) {
@@ -958,7 +982,7 @@ static void shared_blocks_as_tile(const extend_job *a, const decode_scratch *t, 
    blocks. Every member's arithmetic is what it would do alone (the same block grid, the same sums
    in the same order), so sharing changes no bit. */
 static void decode_chunk(const extend_job *a, const decode_scratch *t, const tile_scratch *tt,
-                         const int64_t *members, int64_t count, int64_t shared, int64_t h) {
+                         const int64_t *members, int64_t count, int64_t shared, int64_t h, upcoming_keys after) {
     const int64_t together = count > 1 ? shared / BLOCK_KEYS * BLOCK_KEYS : 0;
     for (int64_t m = 0; m < count; m++) member_begin(a, t, m, members[m], h);
     if (together)
@@ -966,11 +990,16 @@ static void decode_chunk(const extend_job *a, const decode_scratch *t, const til
     for (int64_t m = 0; m < count; m++) {
         const int64_t b = members[m], L = a->kv_lens[b];
         const int64_t *slots = a->kv_indices + a->kv_starts[b];
-        prefetch_keys(a, slots, together, L, h);
         for (int64_t j0 = together; j0 < L; j0 += BLOCK_KEYS) {
             const int64_t n = L - j0 < BLOCK_KEYS ? L - j0 : BLOCK_KEYS;
-            load_block(a, t, slots, L, h, j0, n);
-            member_block(a, t, m, slots, h, j0, n);
+            upcoming_keys up = after; /* this member's next block, else the next member's first */
+            if (j0 + BLOCK_KEYS < L) up = (upcoming_keys){a, slots + j0 + BLOCK_KEYS, L - j0 - BLOCK_KEYS, h};
+            else if (m + 1 < count)
+                up = (upcoming_keys){a, a->kv_indices + a->kv_starts[members[m + 1]] + together,
+                                     a->kv_lens[members[m + 1]] - together, h};
+            up.n = up.n < BLOCK_KEYS ? up.n : BLOCK_KEYS;
+            load_block(a, t, slots, h, j0, n);
+            member_block(a, t, m, slots, h, j0, n, &up);
         }
         member_end(a, t, m, b, h);
     }
@@ -995,6 +1024,16 @@ typedef struct {
     int64_t widest;           /* members of the largest unit */
 } decode_job;
 
+/* the first keys a task reads on its own (after any shared tile), or none past the last task */
+static upcoming_keys first_keys(const decode_job *dj, int64_t task) {
+    const extend_job *a = dj->job;
+    if (task >= a->tasks) return (upcoming_keys){a, NULL, 0, 0};
+    const decode_unit *u = dj->units + task / a->hkv;
+    const int64_t b = u->members[0], together = u->count > 1 ? u->shared / BLOCK_KEYS * BLOCK_KEYS : 0;
+    const int64_t n = a->kv_lens[b] - together;
+    return (upcoming_keys){a, a->kv_indices + a->kv_starts[b] + together, n < BLOCK_KEYS ? n : BLOCK_KEYS, task % a->hkv};
+}
+
 static void decode_part(void *ctx, int64_t part, int64_t parts) {
     (void)part, (void)parts;
     decode_job *dj = (decode_job *)ctx;
@@ -1011,10 +1050,11 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
     const int tiled = M > 1 && tile_scratch_alloc(&tt, tile_rows(M, G), D, a->bf16) == 0;
     if (t.qs && t.kt && t.s && t.o && t.max && t.sum && (!a->bf16 || (t.qw && t.ktw && t.vpw && t.pw && (t.rows16 || a->bf16 == KV16)))
         && (tiled || M == 1)) {
-        int64_t task;
-        while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
+        /* each thread claims its next task before it works on this one, to fetch its first keys */
+        for (int64_t task = atomic_fetch_add(&a->next, 1), following; task < a->tasks; task = following) {
+            following = atomic_fetch_add(&a->next, 1);
             const decode_unit *u = dj->units + task / a->hkv;
-            decode_chunk(a, &t, &tt, u->members, u->count, u->shared, task % a->hkv);
+            decode_chunk(a, &t, &tt, u->members, u->count, u->shared, task % a->hkv, first_keys(dj, following));
         }
     } else {
         a->failed = 1;

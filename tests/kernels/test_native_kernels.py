@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import platform
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -223,6 +227,18 @@ def test_the_library_builds_from_source_once_and_loads(tmp_path):
     assert native.build(compiler, tmp_path) == built and built.stat().st_mtime_ns == mtime  # cache hit
     assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporary files left
     assert built.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("objdump"),
+                    reason="reads x86 code with objdump")
+def test_decode_attention_fetches_its_upcoming_keys(tmp_path):
+    """The decode kernel's prefetches are in the built code: GCC once judged the helper around a
+    prefetch pure and deleted every call, so none ran, with no other symptom than the time."""
+    built = native.build(native._compiler(), tmp_path)
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(built)], capture_output=True, text=True,
+                             check=True).stdout
+    bodies = re.findall(r"<member_block[^>]*>:\n(.*?)\n\n", listing, flags=re.S)
+    assert bodies and any("prefetch" in body for body in bodies)
 
 
 def test_a_library_others_could_have_planted_is_never_loaded(tmp_path):
