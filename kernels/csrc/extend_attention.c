@@ -234,6 +234,31 @@ typedef struct {
     _Atomic int failed;
 } extend_job;
 
+/* The key block a thread reads next: the rest of its task's keys (a decode chunk's next member), or
+   the first keys of the task it has already claimed. Their K and V rows are fetched while this
+   block's arithmetic runs, a few keys per step of its loops: keys lie at scattered slots that no
+   hardware prefetcher follows, and a block's 256 lines requested at once overflowed the core's
+   outstanding misses and left the arithmetic waiting (decode attention over contexts of 200-1,000
+   keys took 1.4-1.8x the time without). */
+typedef struct {
+    const extend_job *a;
+    const int64_t *slots; /* NULL: nothing known to follow */
+    int64_t n, h;         /* keys (at most a block) and kv head */
+} upcoming_keys;
+
+/* key i of the upcoming block, if it has one (up may be NULL) */
+static inline void prefetch_upcoming(const upcoming_keys *up, int64_t i) {
+    if (!up || !up->slots || i >= up->n) return;
+    const extend_job *a = up->a;
+    const int64_t at = up->slots[i] * a->hkv * a->dim + up->h * a->dim, floats = a->bf16 == KV16 ? a->dim / 2 : a->dim;
+    rb_prefetch_floats(pool_at(a->k_cache, a->bf16, at), floats), rb_prefetch_floats(pool_at(a->v_cache, a->bf16, at), floats);
+}
+
+/* keys [from, to) of the upcoming block: those a loop's steps did not reach */
+static inline void prefetch_upcoming_range(const upcoming_keys *up, int64_t from, int64_t to) {
+    for (int64_t i = from; up && i < to; i++) prefetch_upcoming(up, i);
+}
+
 /* One thread's scratch, rows as the last (vector) dimension so that both products are broadcasts
    of key / value features from the pool against vectors of query rows: no transposed copy of K. */
 typedef struct {
@@ -459,7 +484,7 @@ static void tile_queries(const extend_job *a, const tile_scratch *t, const float
    specialised on a constant n whose multiplies and adds the compiler might fuse otherwise). */
 static __attribute__((noinline)) void tile_block(const extend_job *a, const tile_scratch *t, const int64_t *slots,
                                                   int64_t h, int64_t j0, int64_t n, int64_t rows, int64_t used,
-                                                  int open) {
+                                                  int open, const upcoming_keys *up) {
     const int64_t D = a->dim, row = a->hkv * D;
     const int64_t padded_keys = (n + KEY_GROUP - 1) / KEY_GROUP * KEY_GROUP;
     for (int64_t j = 0; j < padded_keys; j++) { /* the block's tail repeats its last key, masked below */
@@ -467,11 +492,11 @@ static __attribute__((noinline)) void tile_block(const extend_job *a, const tile
         t->keys[j] = pool_at(a->k_cache, a->bf16, slot * row + h * D);
         t->values[j] = pool_at(a->v_cache, a->bf16, slot * row + h * D);
     }
-    if (a->bf16) {
-        block_to_bf16(t, a->bf16, padded_keys, D);
-        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores_bf16(t, a->bf16, j, rows, D);
-    } else {
-        for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) tile_scores(t, j, rows, D);
+    if (a->bf16) block_to_bf16(t, a->bf16, padded_keys, D);
+    for (int64_t j = 0; j < padded_keys; j += KEY_GROUP) { /* the upcoming block's keys alongside */
+        prefetch_upcoming_range(up, j * BLOCK_KEYS / padded_keys, (j + KEY_GROUP) * BLOCK_KEYS / padded_keys);
+        if (a->bf16) tile_scores_bf16(t, a->bf16, j, rows, D);
+        else tile_scores(t, j, rows, D);
     }
     for (int64_t j = 0; j < n && a->softcap > 0; j++)
         for (int64_t u = 0; u < rows / VEC; u++) ((vec *)(t->s_t + j * rows))[u] = softcap_vec(((vec *)(t->s_t + j * rows))[u], a->softcap);
@@ -529,7 +554,7 @@ static inline float tile_output(const extend_job *a, const tile_scratch *t, int6
 
 /* One task: request b, kv head h, query positions [first, first + count) of the request. */
 static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, int64_t h, int64_t first,
-                        int64_t count) {
+                        int64_t count, upcoming_keys after) {
     const int64_t G = a->group, D = a->dim, Hq = a->hkv * G;
     const int64_t used = count * G, rows = tile_rows(count, G);
     const int64_t L = a->kv_lens[b], offset = L - a->q_lens[b];
@@ -558,8 +583,10 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
     tile_queries(a, t, src, rows);
     /* blocks before every row's window would add exact zeros: skipped, keeping the block grid */
     for (int64_t j0 = keys_begin / BLOCK_KEYS * BLOCK_KEYS; j0 < keys_end; j0 += BLOCK_KEYS) {
-        const int64_t n = keys_end - j0 < BLOCK_KEYS ? keys_end - j0 : BLOCK_KEYS;
-        tile_block(a, t, slots, h, j0, n, rows, used, j0 >= last_begin && j0 + n <= first_end);
+        const int64_t n = keys_end - j0 < BLOCK_KEYS ? keys_end - j0 : BLOCK_KEYS, left = keys_end - j0 - n;
+        const upcoming_keys up = left > 0 ? (upcoming_keys){a, slots + j0 + n, left < BLOCK_KEYS ? left : BLOCK_KEYS, h}
+                                          : after;
+        tile_block(a, t, slots, h, j0, n, rows, used, j0 >= last_begin && j0 + n <= first_end, &up);
     }
     for (int64_t r = 0; r < used; r++) {
         const int64_t token = a->q_starts[b] + first + r / G, head = h * G + r % G;
@@ -596,6 +623,32 @@ static int tile_scratch_alloc(tile_scratch *t, int64_t rows, int64_t D, int bf16
     return -1;
 }
 
+/* Task `task` of an extend: request b's kv head h over its new positions [first, first + count).
+   The last tiles of a request see the most keys, so tasks run from the last. */
+typedef struct {
+    int64_t b, h, first, count;
+} tile_task;
+
+static tile_task tile_task_of(const extend_job *a, int64_t task) {
+    const int64_t id = a->tasks - 1 - task;
+    int64_t b = 0;
+    while (a->task_first[b + 1] <= id) b++;
+    const int64_t local = id - a->task_first[b], first = local / a->hkv * a->positions_per_tile;
+    const int64_t left = a->q_lens[b] - first;
+    return (tile_task){b, local % a->hkv, first, left < a->positions_per_tile ? left : a->positions_per_tile};
+}
+
+/* the first key block a task reads (its first row's window start, on the block grid), or none past
+   the last task */
+static upcoming_keys tile_first_keys(const extend_job *a, int64_t task) {
+    if (task >= a->tasks) return (upcoming_keys){a, NULL, 0, 0};
+    const tile_task at = tile_task_of(a, task);
+    const int64_t L = a->kv_lens[at.b], limit = a->causal ? L - a->q_lens[at.b] + at.first + 1 : L;
+    const int64_t lower = a->causal && a->window > 0 && limit > a->window ? limit - a->window : 0;
+    const int64_t j0 = lower / BLOCK_KEYS * BLOCK_KEYS, n = limit - j0;
+    return (upcoming_keys){a, a->kv_indices + a->kv_starts[at.b] + j0, n < BLOCK_KEYS ? n : BLOCK_KEYS, at.h};
+}
+
 static void extend_part(void *ctx, int64_t part, int64_t parts) {
     (void)part, (void)parts;
     extend_job *a = (extend_job *)ctx;
@@ -604,14 +657,11 @@ static void extend_part(void *ctx, int64_t part, int64_t parts) {
         a->failed = 1;
         return;
     }
-    int64_t task;
-    while ((task = atomic_fetch_add(&a->next, 1)) < a->tasks) {
-        const int64_t id = a->tasks - 1 - task; /* the last tiles of a request see the most keys */
-        int64_t b = 0;
-        while (a->task_first[b + 1] <= id) b++;
-        const int64_t local = id - a->task_first[b], h = local % a->hkv, tile = local / a->hkv;
-        const int64_t first = tile * a->positions_per_tile, left = a->q_lens[b] - first;
-        attend_tile(a, &t, b, h, first, left < a->positions_per_tile ? left : a->positions_per_tile);
+    /* each thread claims its next task before it works on this one, to fetch that task's first keys */
+    for (int64_t task = atomic_fetch_add(&a->next, 1), following; task < a->tasks; task = following) {
+        following = atomic_fetch_add(&a->next, 1);
+        const tile_task at = tile_task_of(a, task);
+        attend_tile(a, &t, at.b, at.h, at.first, at.count, tile_first_keys(a, following));
     }
     tile_scratch_free(&t);
 }
@@ -692,31 +742,6 @@ typedef struct {
 } decode_scratch;
 
 static inline float exp_one(float x) { return exp_vec((vec){0} + x)[0]; } /* exp_vec's value, lane 0 */
-
-/* The key block a thread reads next: the rest of its member's keys, the chunk's next member, or the
-   first keys of the task it has already claimed. Their K and V rows are fetched while this block's
-   arithmetic runs, a key or two per step of its loops: a decode row's keys lie at scattered slots
-   that no hardware prefetcher follows, and a block's 256 lines requested at once overflowed the
-   core's outstanding misses and left the arithmetic waiting (1.4-1.8x the time of a decode step's
-   attention over contexts of 200-1,000 keys). */
-typedef struct {
-    const extend_job *a;
-    const int64_t *slots; /* NULL: nothing known to follow */
-    int64_t n, h;         /* keys (at most a block) and kv head */
-} upcoming_keys;
-
-/* key i of the upcoming block, if it has one (up may be NULL) */
-static inline void prefetch_upcoming(const upcoming_keys *up, int64_t i) {
-    if (!up || !up->slots || i >= up->n) return;
-    const extend_job *a = up->a;
-    const int64_t at = up->slots[i] * a->hkv * a->dim + up->h * a->dim, floats = a->bf16 == KV16 ? a->dim / 2 : a->dim;
-    rb_prefetch_floats(pool_at(a->k_cache, a->bf16, at), floats), rb_prefetch_floats(pool_at(a->v_cache, a->bf16, at), floats);
-}
-
-/* keys [from, to) of the upcoming block: those a loop's steps did not reach */
-static inline void prefetch_upcoming_range(const upcoming_keys *up, int64_t from, int64_t to) {
-    for (int64_t i = from; up && i < to; i++) prefetch_upcoming(up, i);
-}
 
 /* the scores loop fetches the first half of the upcoming block, the values loop the second */
 #define UPCOMING_HALF (BLOCK_KEYS / 2)
@@ -970,7 +995,12 @@ static void shared_blocks_as_tile(const extend_job *a, const decode_scratch *t, 
         tt->max[r] = -INFINITY, tt->sum[r] = 0.f, tt->limit[r] = (float)together, tt->lower[r] = 0.f;
     }
     tile_queries(a, tt, src, rows);
-    for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) tile_block(a, tt, slots, h, j0, BLOCK_KEYS, rows, used, 1);
+    const int64_t own = a->kv_lens[members[0]] - together; /* member 0's own keys follow */
+    for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) {
+        const upcoming_keys up = j0 + BLOCK_KEYS < together ? (upcoming_keys){a, slots + j0 + BLOCK_KEYS, BLOCK_KEYS, h}
+                                                            : (upcoming_keys){a, slots + together, own < BLOCK_KEYS ? own : BLOCK_KEYS, h};
+        tile_block(a, tt, slots, h, j0, BLOCK_KEYS, rows, used, 1, &up);
+    }
     for (int64_t r = 0; r < used; r++) { /* the decode scratch's state m * G + g is row r */
         t->max[r] = tt->max[r], t->sum[r] = tt->sum[r];
         for (int64_t d = 0; d < D; d++) t->o[r * D + d] = tile_output(a, tt, r, d, rows);
