@@ -225,7 +225,8 @@ class Scheduler:
         capped = [(i, cap) for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens))
                   if (cap := self._draft_cap(req, n)) > 0]
         rows, tokens = sum(batch.extend_lens), max(1, batch.extend_lens.count(1))
-        best = [max(batch.reqs[i].spec.rate(kind, self.draft_stats) for kind in DRAFT_KINDS) for i, _ in capped]
+        priors = {kind: self.draft_stats.rate(kind) for kind in DRAFT_KINDS}
+        best = [batch.reqs[i].spec.best_rate(priors) for i, _ in capped]
         if not capped or not drafts_may_pay(best, [cap for _, cap in capped], rows, tokens, self.step_cost):
             return
         found: list[tuple[int, Draft]] = []

@@ -63,6 +63,10 @@ class StepCost:
     def __call__(self, rows: int) -> float:
         return self.fixed + self.per_row * rows + self.per_tile * -(-rows // self.tile_rows)
 
+    def many(self, rows: np.ndarray) -> np.ndarray:
+        """The cost of each row count of `rows` (int64), the same arithmetic as one call each."""
+        return self.fixed + self.per_row * rows + self.per_tile * -(-rows // self.tile_rows)
+
 
 def cpu_step_cost(tile_rows: int) -> StepCost:
     """Measured on a 2-core AMD EPYC (Zen 5, tiles of 8 rows) with SmolLM2 Q4_1 over a 500-token
@@ -188,6 +192,11 @@ class SpecState:
     def rate(self, kind: str, stats: DraftStats) -> float:
         return self.kinds.setdefault(kind, Acceptance()).rate(stats.rate(kind))
 
+    def best_rate(self, priors: dict[str, float]) -> float:
+        """The highest `rate` over the kinds of `priors` (each kind's engine-wide rate, taken once
+        for a whole batch); a kind this request has no counts for is at its prior."""
+        return max(self.kinds[kind].rate(prior) if kind in self.kinds else prior for kind, prior in priors.items())
+
     def record(self, kind: str, proposed: int, accepted: int, stats: DraftStats) -> None:
         self.kinds.setdefault(kind, Acceptance()).update(proposed, accepted, DECAY)
         stats.record(kind, proposed, accepted)
@@ -213,17 +222,18 @@ def plan_drafts(rates: list[float], lengths: list[int], rows: int, tokens: float
     own order), and the step takes the leading run of them that maximises expected tokens per unit
     of `cost` (the whole run is weighed, not one row at a time: a row that opens a new tile can pay
     off only together with the rows that fill it)."""
-    ranked = sorted(((a ** j, i) for i, (a, n) in enumerate(zip(rates, lengths)) for j in range(1, n + 1)),
-                    key=lambda pi: -pi[0])
-    best_n, best, gained = 0, tokens / cost(rows), 0.0
-    for n, (p, _) in enumerate(ranked, 1):
-        gained += p
-        if (value := (tokens + gained) / cost(rows + n)) > best:
-            best_n, best = n, value
-    take = [0] * len(rates)
-    for _, i in ranked[:best_n]:
-        take[i] += 1
-    return take
+    counts = np.asarray(lengths, dtype=np.int64)
+    owner = np.repeat(np.arange(len(counts)), counts)  # the request of each draft token
+    if not owner.size:
+        return [0] * len(counts)
+    nth = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1  # its place in its draft
+    likely = np.asarray(rates, dtype=np.float64)[owner] ** nth
+    order = np.argsort(-likely, kind="stable")  # most likely first, each request's in its own order
+    values = (tokens + np.cumsum(likely[order])) / cost.many(rows + np.arange(1, owner.size + 1))
+    best = int(np.argmax(values))  # the first run of the best value
+    if not values[best] > tokens / cost(rows):
+        return [0] * len(counts)
+    return np.bincount(owner[order[:best + 1]], minlength=len(counts)).tolist()
 
 
 def drafts_may_pay(best_rates: list[float], caps: list[int], rows: int, tokens: float, cost: StepCost) -> bool:
