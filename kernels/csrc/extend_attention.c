@@ -239,7 +239,7 @@ typedef struct {
    block's arithmetic runs, a few keys per step of its loops: keys lie at scattered slots that no
    hardware prefetcher follows, and a block's 256 lines requested at once overflowed the core's
    outstanding misses and left the arithmetic waiting (decode attention over contexts of 200-1,000
-   keys took 1.4-1.8x the time without). */
+   keys took 1.2-1.6x the time without). */
 typedef struct {
     const extend_job *a;
     const int64_t *slots; /* NULL: nothing known to follow */
