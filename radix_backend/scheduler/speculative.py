@@ -60,11 +60,8 @@ class StepCost:
     per_tile: float = 0.0
     tile_rows: int = 1
 
-    def __call__(self, rows: int) -> float:
-        return self.fixed + self.per_row * rows + self.per_tile * -(-rows // self.tile_rows)
-
-    def many(self, rows: np.ndarray) -> np.ndarray:
-        """The cost of each row count of `rows` (int64), the same arithmetic as one call each."""
+    def __call__(self, rows: int | np.ndarray) -> float | np.ndarray:
+        """The cost of `rows` rows, or of each row count of an int64 array."""
         return self.fixed + self.per_row * rows + self.per_tile * -(-rows // self.tile_rows)
 
 
@@ -229,7 +226,7 @@ def plan_drafts(rates: list[float], lengths: list[int], rows: int, tokens: float
     nth = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1  # its place in its draft
     likely = np.asarray(rates, dtype=np.float64)[owner] ** nth
     order = np.argsort(-likely, kind="stable")  # most likely first, each request's in its own order
-    values = (tokens + np.cumsum(likely[order])) / cost.many(rows + np.arange(1, owner.size + 1))
+    values = (tokens + np.cumsum(likely[order])) / cost(rows + np.arange(1, owner.size + 1))
     best = int(np.argmax(values))  # the first run of the best value
     if not values[best] > tokens / cost(rows):
         return [0] * len(counts)

@@ -162,6 +162,31 @@ def test_plan_drafts_spends_rows_where_they_pay() -> None:
     assert plan_drafts([0.9], [8], rows=1, tokens=1, cost=GPU_STEP_COST) == [8]  # a GPU's rows are nearly free
 
 
+def test_plan_drafts_takes_the_best_leading_run_of_the_ranked_tokens() -> None:
+    """The plan on arrays against its definition spelled out: rank every draft token by its
+    likelihood (each request's in order), take the leading run with the most expected tokens per
+    unit of cost (the first such run), or none where no run beats the step alone."""
+    def by_definition(rates, lengths, rows, tokens, cost):
+        ranked = sorted(((a ** j, i) for i, (a, n) in enumerate(zip(rates, lengths)) for j in range(1, n + 1)),
+                        key=lambda pi: -pi[0])
+        best_n, best, gained = 0, tokens / cost(rows), 0.0
+        for n, (p, _) in enumerate(ranked, 1):
+            gained += p
+            if (tokens + gained) / cost(rows + n) > best:
+                best_n, best = n, (tokens + gained) / cost(rows + n)
+        return [sum(1 for _, i in ranked[:best_n] if i == r) for r in range(len(rates))]
+
+    rng = random.Random(0)
+    costs = [cpu_step_cost(8), cpu_step_cost(4), cpu_step_cost(1), GPU_STEP_COST, StepCost(fixed=1.0, per_row=0.0)]
+    for _ in range(2000):
+        k = rng.randint(0, 10)
+        rates = [rng.choice([rng.random(), 0.9, 1.0, 0.5, 0.0]) for _ in range(k)]
+        lengths = [rng.randint(0, 8) for _ in range(k)]
+        rows = rng.randint(1, 40)
+        args = (rates, lengths, rows, rng.randint(1, rows), rng.choice(costs))
+        assert plan_drafts(*args) == by_definition(*args), args
+
+
 def test_drafts_are_not_looked_up_where_none_could_pay() -> None:
     """The scheduler skips the lookups (a long prompt's n-grams indexed in Python) when even each
     request's best acceptance rate and longest draft would plan no draft: real drafts, whose tokens
