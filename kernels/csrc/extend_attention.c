@@ -246,6 +246,16 @@ typedef struct {
     int64_t n, h;         /* keys (at most a block) and kv head */
 } upcoming_keys;
 
+/* the first of `keys` keys at `slots` (of kv head h) as the upcoming block: at most a block's */
+static inline upcoming_keys upcoming_block(const extend_job *a, const int64_t *slots, int64_t keys, int64_t h) {
+    return (upcoming_keys){a, slots, keys < BLOCK_KEYS ? keys : BLOCK_KEYS, h};
+}
+
+/* request b's keys from its key `from` on (kv head h) as the upcoming block */
+static inline upcoming_keys request_keys_from(const extend_job *a, int64_t b, int64_t from, int64_t h) {
+    return upcoming_block(a, a->kv_indices + a->kv_starts[b] + from, a->kv_lens[b] - from, h);
+}
+
 /* key i of the upcoming block, if it has one (up may be NULL) */
 static inline void prefetch_upcoming(const upcoming_keys *up, int64_t i) {
     if (!up || !up->slots || i >= up->n) return;
@@ -584,8 +594,7 @@ static void attend_tile(const extend_job *a, const tile_scratch *t, int64_t b, i
     /* blocks before every row's window would add exact zeros: skipped, keeping the block grid */
     for (int64_t j0 = keys_begin / BLOCK_KEYS * BLOCK_KEYS; j0 < keys_end; j0 += BLOCK_KEYS) {
         const int64_t n = keys_end - j0 < BLOCK_KEYS ? keys_end - j0 : BLOCK_KEYS, left = keys_end - j0 - n;
-        const upcoming_keys up = left > 0 ? (upcoming_keys){a, slots + j0 + n, left < BLOCK_KEYS ? left : BLOCK_KEYS, h}
-                                          : after;
+        const upcoming_keys up = left > 0 ? upcoming_block(a, slots + j0 + n, left, h) : after;
         tile_block(a, t, slots, h, j0, n, rows, used, j0 >= last_begin && j0 + n <= first_end, &up);
     }
     for (int64_t r = 0; r < used; r++) {
@@ -641,12 +650,12 @@ static tile_task tile_task_of(const extend_job *a, int64_t task) {
 /* the first key block a task reads (its first row's window start, on the block grid), or none past
    the last task */
 static upcoming_keys tile_first_keys(const extend_job *a, int64_t task) {
-    if (task >= a->tasks) return (upcoming_keys){a, NULL, 0, 0};
+    if (task >= a->tasks) return upcoming_block(a, NULL, 0, 0);
     const tile_task at = tile_task_of(a, task);
     const int64_t L = a->kv_lens[at.b], limit = a->causal ? L - a->q_lens[at.b] + at.first + 1 : L;
     const int64_t lower = a->causal && a->window > 0 && limit > a->window ? limit - a->window : 0;
-    const int64_t j0 = lower / BLOCK_KEYS * BLOCK_KEYS, n = limit - j0;
-    return (upcoming_keys){a, a->kv_indices + a->kv_starts[at.b] + j0, n < BLOCK_KEYS ? n : BLOCK_KEYS, at.h};
+    const int64_t j0 = lower / BLOCK_KEYS * BLOCK_KEYS;
+    return upcoming_block(a, a->kv_indices + a->kv_starts[at.b] + j0, limit - j0, at.h);
 }
 
 static void extend_part(void *ctx, int64_t part, int64_t parts) {
@@ -995,10 +1004,8 @@ static void shared_blocks_as_tile(const extend_job *a, const decode_scratch *t, 
         tt->max[r] = -INFINITY, tt->sum[r] = 0.f, tt->limit[r] = (float)together, tt->lower[r] = 0.f;
     }
     tile_queries(a, tt, src, rows);
-    const int64_t own = a->kv_lens[members[0]] - together; /* member 0's own keys follow */
-    for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) {
-        const upcoming_keys up = j0 + BLOCK_KEYS < together ? (upcoming_keys){a, slots + j0 + BLOCK_KEYS, BLOCK_KEYS, h}
-                                                            : (upcoming_keys){a, slots + together, own < BLOCK_KEYS ? own : BLOCK_KEYS, h};
+    for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) { /* after the last shared block: member 0's own */
+        const upcoming_keys up = request_keys_from(a, members[0], j0 + BLOCK_KEYS, h);
         tile_block(a, tt, slots, h, j0, BLOCK_KEYS, rows, used, 1, &up);
     }
     for (int64_t r = 0; r < used; r++) { /* the decode scratch's state m * G + g is row r */
@@ -1022,12 +1029,9 @@ static void decode_chunk(const extend_job *a, const decode_scratch *t, const til
         const int64_t *slots = a->kv_indices + a->kv_starts[b];
         for (int64_t j0 = together; j0 < L; j0 += BLOCK_KEYS) {
             const int64_t n = L - j0 < BLOCK_KEYS ? L - j0 : BLOCK_KEYS;
-            upcoming_keys up = after; /* this member's next block, else the next member's first */
-            if (j0 + BLOCK_KEYS < L) up = (upcoming_keys){a, slots + j0 + BLOCK_KEYS, L - j0 - BLOCK_KEYS, h};
-            else if (m + 1 < count)
-                up = (upcoming_keys){a, a->kv_indices + a->kv_starts[members[m + 1]] + together,
-                                     a->kv_lens[members[m + 1]] - together, h};
-            up.n = up.n < BLOCK_KEYS ? up.n : BLOCK_KEYS;
+            const upcoming_keys up = j0 + BLOCK_KEYS < L ? request_keys_from(a, b, j0 + BLOCK_KEYS, h) /* this member's next block */
+                                     : m + 1 < count     ? request_keys_from(a, members[m + 1], together, h) /* the next member's first */
+                                                         : after;
             load_block(a, t, slots, h, j0, n);
             member_block(a, t, m, slots, h, j0, n, &up);
         }
@@ -1057,11 +1061,10 @@ typedef struct {
 /* the first keys a task reads on its own (after any shared tile), or none past the last task */
 static upcoming_keys first_keys(const decode_job *dj, int64_t task) {
     const extend_job *a = dj->job;
-    if (task >= a->tasks) return (upcoming_keys){a, NULL, 0, 0};
+    if (task >= a->tasks) return upcoming_block(a, NULL, 0, 0);
     const decode_unit *u = dj->units + task / a->hkv;
-    const int64_t b = u->members[0], together = u->count > 1 ? u->shared / BLOCK_KEYS * BLOCK_KEYS : 0;
-    const int64_t n = a->kv_lens[b] - together;
-    return (upcoming_keys){a, a->kv_indices + a->kv_starts[b] + together, n < BLOCK_KEYS ? n : BLOCK_KEYS, task % a->hkv};
+    const int64_t together = u->count > 1 ? u->shared / BLOCK_KEYS * BLOCK_KEYS : 0;
+    return request_keys_from(a, u->members[0], together, task % a->hkv);
 }
 
 static void decode_part(void *ctx, int64_t part, int64_t parts) {
