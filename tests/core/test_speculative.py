@@ -163,7 +163,7 @@ def test_plan_drafts_spends_rows_where_they_pay() -> None:
 
 
 def test_plan_drafts_takes_the_best_leading_run_of_the_ranked_tokens() -> None:
-    """The plan on arrays against its definition spelled out: rank every draft token by its
+    """The plan (pruned to the tokens that could still pay) against its definition spelled out: rank every draft token by its
     likelihood (each request's in order), take the leading run with the most expected tokens per
     unit of cost (the first such run), or none where no run beats the step alone."""
     def by_definition(rates, lengths, rows, tokens, cost):
