@@ -38,10 +38,10 @@ def recording_step_logits() -> Iterator[dict[str, list[torch.Tensor]]]:
     seen: dict[str, list[torch.Tensor]] = {}
     sample = output_processor.OutputProcessor._sample_rows
 
-    def recording(self: Any, reqs: list, rows: list[int], logits: torch.Tensor, now: float) -> Any:
+    def recording(self: Any, reqs: list, rows: list[int], logits: torch.Tensor, *args: Any) -> Any:
         for req, row in zip(reqs, rows):
             seen.setdefault(req.rid, []).append(logits[row].clone())
-        return sample(self, reqs, rows, logits, now)
+        return sample(self, reqs, rows, logits, *args)
 
     output_processor.OutputProcessor._sample_rows = recording
     try:

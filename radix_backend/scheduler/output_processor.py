@@ -3,6 +3,7 @@ the sampled ones get their token, and everything that follows a token (grammar, 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from ..mem_cache.kv_manager import KVManager
 from ..outputs import SchedulerStats, TokenLogprob
 from ..utils import common_prefix_len
 from .request import Req
-from .sampling import sample_batch
+from .sampling import greedy_picks, sample_batch
 from .schedule_batch import ScheduleBatch
 from .speculative import Draft, DraftStats
 
@@ -98,28 +99,55 @@ class OutputProcessor:
         on, while each sampled token equals its draft's token there (then the next row's logits
         are the ones plain decoding would compute next). Each round samples all such rows at once."""
         now = time.perf_counter()
+        greedy = self._argmax_of_rows(picks, logits)
         depth = 0
         while picks:
             before = [p.req.seq_len for p in picks]
-            taken = self._sample_rows([p.req for p in picks], [p.row + depth for p in picks], logits, now)
+            taken = self._sample_rows([p.req for p in picks], [p.row + depth for p in picks], logits, now, greedy)
             picks = [p for p, tok, n in zip(picks, taken, before)
                      if p.draft is not None and depth < len(p.draft.tokens) and tok == p.draft.tokens[depth]
                      and p.req.error is None and not p.req.finished and p.req.seq_len == n + 1]
             depth += 1
 
-    def _sample_rows(self, reqs: list[Req], rows: list[int], logits: torch.Tensor, now: float) -> list[int | None]:
+    @staticmethod
+    def _argmax_of_rows(picks: list[_Pick], logits: torch.Tensor) -> dict[int, int]:
+        """The argmax of each logits row that a request picking by plain argmax may take this step
+        (its row and its draft's rows), by row, taken at once per run of adjacent rows: a round of
+        drafted rows then gathers and scans nothing (a batch-8 step spent ~0.2 ms doing so)."""
+        rows = sorted(row for p in picks if p.req.sampler_row().argmax_only
+                      for row in range(p.row, p.row + 1 + (len(p.draft.tokens) if p.draft is not None else 0)))
+        greedy: dict[int, int] = {}
+        for _, run in itertools.groupby(enumerate(rows), key=lambda i_row: i_row[1] - i_row[0]):
+            run_rows = [row for _, row in run]
+            greedy.update(zip(run_rows, greedy_picks(logits[run_rows[0]:run_rows[-1] + 1])))
+        return greedy
+
+    def _sample_rows(self, reqs: list[Req], rows: list[int], logits: torch.Tensor, now: float,
+                     greedy: dict[int, int]) -> list[int | None]:
         """Each request samples one token from its logits row and takes it; returns the tokens
-        (None where sampling failed: that request's error is set)."""
-        raw = logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows, device=logits.device)]
-        taken: list[int | None] = []
-        for req, picked in zip(reqs, sample_batch(raw, [r.sampler_row() for r in reqs])):
+        (None where sampling failed: that request's error is set). A row in `greedy` whose request
+        still picks by plain argmax takes that token; the others are sampled together."""
+        taken: list[int | None] = [None] * len(reqs)
+        rest: list[int] = []
+        for k, (req, row) in enumerate(zip(reqs, rows)):
+            if row in greedy and req.sampler_row().argmax_only:
+                taken[k] = greedy[row]
+                self._take_token(req, greedy[row], None, now)
+                self.stats.generated_tokens += 1
+            else:
+                rest.append(k)
+        if not rest:
+            return taken
+        rest_rows = [rows[k] for k in rest]
+        raw = logits if rest_rows == list(range(logits.shape[0])) else logits[torch.tensor(rest_rows, device=logits.device)]
+        for k, picked in zip(rest, sample_batch(raw, [reqs[k].sampler_row() for k in rest])):
+            req = reqs[k]
             if isinstance(picked, BaseException):
                 req.error = picked
-                taken.append(None)
             else:
                 self._take_token(req, *picked, now)
                 self.stats.generated_tokens += 1
-                taken.append(picked[0])
+                taken[k] = picked[0]
         return taken
 
     def _keep_verified(self, pick: _Pick) -> None:

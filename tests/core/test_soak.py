@@ -63,7 +63,7 @@ def test_soak_mixed_aborted_and_poisoned(small_engine, monkeypatch, capsys) -> N
             handles.append(None)
             continue
         if kind == "poison_fault":
-            params = params.copy(seed=POISON, max_new_tokens=max(params.max_new_tokens, 2))
+            params = params.copy(seed=POISON, temperature=0.8, max_new_tokens=max(params.max_new_tokens, 2))
         handles.append(small_engine.submit(prompt, params))
     for (kind, _, _), handle in zip(plan, handles):
         if kind == "abort" and rng.random() < 0.9:
