@@ -109,6 +109,22 @@ void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int6
 
 #define TILE 8 /* activation rows per pass over a block's codes */
 
+/* Group g's lines of the next block of 16 weight rows (its codes, high bits and parameters), asked
+   for while this block's group g is multiplied. A decode step's few activation rows give each block
+   too little arithmetic to hide the wait for the next one: batch-8 to batch-32 decode steps of the
+   embedded model ran 1.1-1.2x faster with these on a Zen 5 (prefill level, batch 1 level). A thread's
+   last block asks for lines it will not read: harmless, a prefetch never faults. The empty volatile
+   asm keeps GCC from dropping the prefetches (see rb_prefetch_floats). */
+static inline __attribute__((always_inline)) void fetch_next_block(const uint8_t *codes, const uint8_t *high, int hb,
+                                                                   const uint8_t *params, int64_t param_bytes,
+                                                                   int64_t groups, int64_t g) {
+    const uint8_t *next_codes = codes + (groups + g) * 4 * 64;
+    for (int c = 0; c < 4; c++) __builtin_prefetch(next_codes + c * 64);
+    for (int c = 0; c < hb; c++) __builtin_prefetch(high + (groups + g) * hb * 64 + c * 64);
+    for (int64_t c = 0; c < param_bytes; c += 64) __builtin_prefetch(params + (groups + g) * param_bytes + c);
+    __asm__ __volatile__("");
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* A group's integer dot products with one activation row's digits, for each of the block's 16
    rows: quads 0..3 (features 0..15) into *a, quads 4..7 (16..31) into *b. One accumulator per
@@ -170,6 +186,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        fetch_next_block(codes, NULL, 0, (const uint8_t *)params, 2 * Q4_ROWS * 2, groups, g);
         const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS)));
         const __m512 minimums = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS + Q4_ROWS)));
         __m512i quad[8];
@@ -228,6 +245,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        fetch_next_block(codes, high, hb, params, stride, groups, g);
         __m512 first = load_params16(params + g * stride, kind);
         __m512 second = layout == Q4_SCALE_OFFSET ? first : load_params16(params + g * stride + half, kind);
         if (kind == Q4_PARAMS_K) { /* sub-block integers times their super-block's factors */
@@ -352,6 +370,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         __m256 acc[TILE];
         for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
+            if (h == 0) fetch_next_block(codes, NULL, 0, (const uint8_t *)params, 2 * Q4_ROWS * 2, groups, g);
             const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + h * 8)));
             const __m256 minimums = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + Q4_ROWS + h * 8)));
             __m256i quad[8];
@@ -390,6 +409,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
         __m256 acc[TILE];
         for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
+            if (h == 0) fetch_next_block(codes, high, hb, params, stride, groups, g);
             const uint8_t *pg = params + g * stride + h * 8 * bytes;
             __m256 first = load_params8(pg, kind);
             __m256 second = layout == Q4_SCALE_OFFSET ? first : load_params8(pg + half, kind);

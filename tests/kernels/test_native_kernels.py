@@ -231,13 +231,14 @@ def test_the_library_builds_from_source_once_and_loads(tmp_path):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("objdump"),
                     reason="reads x86 code with objdump")
-def test_decode_attention_fetches_its_upcoming_keys():
-    """The decode kernel's prefetches are in the built code: GCC once judged the helper around a
-    prefetch pure and deleted every call, so none ran, with no other symptom than the time."""
+@pytest.mark.parametrize("function", ["member_block", "q4_rows"])  # decode attention's keys, the next weight block
+def test_the_kernels_fetch_what_they_read_next(function):
+    """The prefetches are in the built code: GCC once judged the helper around a prefetch pure and
+    deleted every call, so none ran, with no other symptom than the time."""
     built = native.library()._name  # the library this process loaded
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", built], capture_output=True, text=True,
                              check=True).stdout
-    bodies = re.findall(r"<member_block[^>]*>:\n(.*?)\n\n", listing, flags=re.S)
+    bodies = re.findall(rf"<{function}[^>]*>:\n(.*?)\n\n", listing, flags=re.S)
     assert bodies and any("prefetch" in body for body in bodies)
 
 
