@@ -45,10 +45,13 @@ static inline float lanes_sum(v16 v) {
 }
 
 /* out[i][j] = x[i] . w[j] for i < xr, j < wr (constants after inlining for the full tile, so the
-   sums stay in registers) */
+   sums stay in registers). With `next` (the weight tile after this one, W_ROWS rows of K), its lines
+   are asked for alongside: a decode step's few activation rows gave a tile too little arithmetic to
+   hide the wait for the next (batch-8 decode steps 1.25x faster on a Zen 5; batch 1 and prefill
+   level). The empty volatile asm keeps GCC from dropping the prefetches (see rb_prefetch_floats). */
 static inline __attribute__((always_inline)) void dot_tile(const float *const *x, const int xr,
                                                            const float *const *w, const int wr, int64_t K,
-                                                           float out[X_ROWS][W_ROWS]) {
+                                                           const float *next, float out[X_ROWS][W_ROWS]) {
     v16 acc[X_ROWS][W_ROWS];
     for (int i = 0; i < xr; i++)
         for (int j = 0; j < wr; j++) acc[i][j] = (v16){0};
@@ -56,6 +59,10 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
     for (; k + 16 <= K; k += 16) {
         v16 xv[X_ROWS];
         for (int i = 0; i < xr; i++) xv[i] = load16(x[i] + k);
+        if (next) {
+            for (int j = 0; j < W_ROWS; j++) __builtin_prefetch(next + j * K + k);
+            __asm__ __volatile__("");
+        }
         for (int j = 0; j < wr; j++) {
             v16 wv = load16(w[j] + k);
 #if defined(__AVX512F__)
@@ -72,17 +79,17 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
         }
 }
 
-static void full_tile(const float *const *x, const float *const *w, int64_t K, float out[X_ROWS][W_ROWS]) {
-    dot_tile(x, X_ROWS, w, W_ROWS, K, out);
+static void full_tile(const float *const *x, const float *const *w, int64_t K, const float *next, float out[X_ROWS][W_ROWS]) {
+    dot_tile(x, X_ROWS, w, W_ROWS, K, next, out);
 }
 
 /* an edge tile: one compiled body per row count, the weight rows padded by repeating the last */
-static void edge_tile(const float *const *x, int xr, const float *const *w, int64_t K, float out[X_ROWS][W_ROWS]) {
+static void edge_tile(const float *const *x, int xr, const float *const *w, int64_t K, const float *next, float out[X_ROWS][W_ROWS]) {
     switch (xr) {
-    case 1: dot_tile(x, 1, w, W_ROWS, K, out); break;
-    case 2: dot_tile(x, 2, w, W_ROWS, K, out); break;
-    case 3: dot_tile(x, 3, w, W_ROWS, K, out); break;
-    default: dot_tile(x, X_ROWS, w, W_ROWS, K, out); break;
+    case 1: dot_tile(x, 1, w, W_ROWS, K, next, out); break;
+    case 2: dot_tile(x, 2, w, W_ROWS, K, next, out); break;
+    case 3: dot_tile(x, 3, w, W_ROWS, K, next, out); break;
+    default: dot_tile(x, X_ROWS, w, W_ROWS, K, next, out); break;
     }
 }
 
@@ -104,8 +111,11 @@ static void tile_column(const f32_job *job, const rb_q4_weight *w, int64_t base,
         const float *xs[X_ROWS];
         for (int i = 0; i < X_ROWS; i++) xs[i] = job->x + (m + (i < xr ? i : xr - 1)) * K;
         float out[X_ROWS][W_ROWS];
-        if (xr == X_ROWS) full_tile(xs, rows, K, out);
-        else edge_tile(xs, xr, rows, K, out);
+        /* the first pass over the tile fetches the next one (a thread's last asks for lines it will
+           not read: harmless, a prefetch never faults) */
+        const float *next = m == m0 ? w->dense + (n0 - base + W_ROWS) * K : NULL;
+        if (xr == X_ROWS) full_tile(xs, rows, K, next, out);
+        else edge_tile(xs, xr, rows, K, next, out);
         for (int i = 0; i < xr; i++)
             for (int j = 0; j < wr; j++)
                 job->y[(m + i) * width + n0 + j] = out[i][j] + (w->bias ? w->bias[n0 - base + j] : 0.f);

@@ -231,7 +231,7 @@ def test_the_library_builds_from_source_once_and_loads(tmp_path):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not shutil.which("objdump"),
                     reason="reads x86 code with objdump")
-@pytest.mark.parametrize("function", ["member_block", "q4_rows"])  # decode attention's keys, the next weight block
+@pytest.mark.parametrize("function", ["member_block", "q4_rows", "full_tile"])  # attention keys, next weight blocks
 def test_the_kernels_fetch_what_they_read_next(function):
     """The prefetches are in the built code: GCC once judged the helper around a prefetch pure and
     deleted every call, so none ran, with no other symptom than the time."""
