@@ -244,6 +244,16 @@ def test_greedy_output_is_identical_in_fewer_steps(engine: Engine) -> None:
     assert spec.meta.completion_tokens == plain.meta.completion_tokens
 
 
+def test_greedy_rows_that_turn_plain_mid_draft_are_unchanged(engine: Engine) -> None:
+    """Below min_new_tokens a greedy row has its stop tokens masked, so it goes through the sampler;
+    from then on it takes the step's argmax, taken once for its rows: a draft that crosses the
+    boundary within one step mixes both, and the tokens stay plain decoding's."""
+    params = SamplingParams(max_new_tokens=96, temperature=0, min_new_tokens=21)
+    plain, spec, delta = both_ways(engine, COPY_PROMPT, params)
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
+    assert delta["spec_accepted_tokens"] > 0
+
+
 def test_greedy_copy_is_the_code(engine: Engine) -> None:
     _, spec, _ = both_ways(engine, COPY_PROMPT, SamplingParams(max_new_tokens=96, temperature=0))
     if "shared_prefix_len" not in spec.text or "while a[i] == b[start + i]" not in spec.text:
