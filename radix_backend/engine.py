@@ -17,7 +17,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import InvalidRequestError
-from .model_executor.loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint
+from .model_executor.loader import EMBEDDED_MODEL_ID, load_tokenizer, resolve_checkpoint, token_decoder
 from .model_executor.model_runner import KernelPath, ModelRunner
 from .outputs import CacheStats, ChoiceScore, GenerateOutput, StreamChunk
 from .request_builder import Message, RequestBuilder, collect_eos_token_ids
@@ -43,6 +43,7 @@ class Engine:
         self.checkpoint = resolve_checkpoint(model)
         self.model_id = model if model is not None else EMBEDDED_MODEL_ID  # as the user named it; no cache paths
         self.tokenizer = load_tokenizer(self.checkpoint)
+        self._decode_ids = token_decoder(self.tokenizer)
         self.runner = ModelRunner(self.checkpoint, self.config)
         self.eos_token_ids = collect_eos_token_ids(self.checkpoint.config, self.tokenizer, self.checkpoint.path)
         # async callers' tokenizing, chat templating and grammar compiling run here, off their event loop
@@ -57,7 +58,7 @@ class Engine:
         return self.requests.encode(text, add_special_tokens)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._decode_ids(token_ids, skip_special_tokens)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -120,6 +120,26 @@ def load_tokenizer(ckpt: Checkpoint) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(str(ckpt.path), local_files_only=True)
     except Exception as exc:  # transformers raises many unrelated types for a broken tokenizer
         raise ModelLoadError(f"could not load the tokenizer from {ckpt.path}: {exc}") from exc
+
+
+def token_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int], bool], str]:
+    """(token ids, skip_special_tokens) -> text, as `tokenizer.decode` gives it. Where transformers'
+    fast tokenizer would only hand the ids to its Rust tokenizer (its own `decode` and `_decode`,
+    no space clean-up), the Rust decode is called directly: the incremental detokenizer decodes
+    twice a token per request, and the wrapper's argument handling cost more than the decode."""
+    from transformers import PreTrainedTokenizerBase as Base
+
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its decode
+        return lambda ids, skip: tokenizer.decode(list(ids), skip_special_tokens=skip)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (isinstance(backend, Tokenizer) and cls.decode is Base.decode and cls._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        return lambda ids, skip: backend.decode(list(ids), skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(list(ids), skip_special_tokens=skip)
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -414,3 +414,33 @@ def test_embedded_smollm2(smollm2_checkpoint: Checkpoint, smollm2_tokenizer) -> 
     start = time.perf_counter()
     assert resolve_checkpoint(None).path == ckpt.path
     assert time.perf_counter() - start < 1.0
+
+
+def test_token_decoder_gives_the_tokenizers_own_text(smollm2_tokenizer) -> None:
+    """The detokenizer's decode calls the Rust tokenizer directly where transformers would only hand
+    it the ids: the same text, special tokens skipped or kept, a split UTF-8 character included; a
+    tokenizer that cleans up spaces keeps transformers' decode."""
+    import copy
+    import random
+
+    tok = smollm2_tokenizer
+    decode = loader.token_decoder(tok)
+    rng = random.Random(0)
+    cases = [tok.encode("Hello, world . <|im_end|> naïve café 日本語 🙂\n  x", add_special_tokens=False)]
+    cases += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))] for _ in range(300)]
+    for ids in cases:
+        for skip in (True, False):
+            assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+    emoji = tok.encode("🙂", add_special_tokens=False)
+    assert len(emoji) > 1 and decode(emoji[:1], True) == tok.decode(emoji[:1], skip_special_tokens=True)
+
+    direct = copy.deepcopy(tok)  # SmolLM2's fast tokenizer: the Rust decode, not the wrapper
+    direct.decode = lambda *a, **kw: pytest.fail("the wrapper's decode was called")
+    assert loader.token_decoder(direct)(cases[0], True) == tok.decode(cases[0], skip_special_tokens=True)
+
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    calls = []
+    real = cleaning.decode
+    cleaning.decode = lambda ids, **kw: calls.append(ids) or real(ids, **kw)
+    assert loader.token_decoder(cleaning)([1, 2, 3], True) == real([1, 2, 3], skip_special_tokens=True) and calls
