@@ -108,6 +108,7 @@ void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int6
 }
 
 #define TILE 8 /* activation rows per pass over a block's codes */
+#define PLAIN_GROUP_PARAM_BYTES (2 * Q4_ROWS * (int64_t)sizeof(_Float16)) /* plain Q4_1: a group's fp16 scales and minimums */
 
 /* Group g's lines of the next block of 16 weight rows (its codes, high bits and parameters), asked
    for while this block's group g is multiplied. A decode step's few activation rows give each block
@@ -186,7 +187,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        fetch_next_block(codes, NULL, 0, (const uint8_t *)params, 2 * Q4_ROWS * 2, groups, g);
+        fetch_next_block(codes, NULL, 0, (const uint8_t *)params, PLAIN_GROUP_PARAM_BYTES, groups, g);
         const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS)));
         const __m512 minimums = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS + Q4_ROWS)));
         __m512i quad[8];
@@ -370,7 +371,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         __m256 acc[TILE];
         for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
-            if (h == 0) fetch_next_block(codes, NULL, 0, (const uint8_t *)params, 2 * Q4_ROWS * 2, groups, g);
+            if (h == 0) fetch_next_block(codes, NULL, 0, (const uint8_t *)params, PLAIN_GROUP_PARAM_BYTES, groups, g);
             const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + h * 8)));
             const __m256 minimums = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + Q4_ROWS + h * 8)));
             __m256i quad[8];

@@ -129,17 +129,20 @@ def token_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int]
     twice a token per request, and the wrapper's argument handling cost more than the decode."""
     from transformers import PreTrainedTokenizerBase as Base
 
+    def through_transformers(ids: Sequence[int], skip: bool) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=skip)
+
     try:
         from tokenizers import Tokenizer
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another transformers layout: keep its decode
-        return lambda ids, skip: tokenizer.decode(list(ids), skip_special_tokens=skip)
+        return through_transformers
     backend = getattr(tokenizer, "_tokenizer", None)
     cls = type(tokenizer)
     if (isinstance(backend, Tokenizer) and cls.decode is Base.decode and cls._decode is TokenizersBackend._decode
             and not tokenizer.clean_up_tokenization_spaces):
         return lambda ids, skip: backend.decode(list(ids), skip_special_tokens=skip)
-    return lambda ids, skip: tokenizer.decode(list(ids), skip_special_tokens=skip)
+    return through_transformers
 
 
 def weight_files(path: Path) -> list[Path]:
