@@ -101,16 +101,18 @@ typedef struct {
     int32_t group[TOP];
 } row_scales;
 
-static void row_scales_of(const float *s8, int64_t G, row_scales *out) {
+/* row m's G group scales s8[g] (in q8), as the bound needs them */
+static void row_scales_of(const q4_activations *q8, int64_t m, int64_t G, row_scales *out) {
     float top[TOP + 1];
     int32_t at[TOP + 1];
     int n = 0;
     for (int64_t g = 0; g < G; g++) { /* the TOP + 1 largest, in decreasing order */
+        const float s8 = q8->scale[q4_group_index(m, g, G)];
         int k = n < TOP + 1 ? n++ : TOP + 1;
-        if (k == TOP + 1 && !(s8[g] > top[TOP])) continue;
+        if (k == TOP + 1 && !(s8 > top[TOP])) continue;
         if (k == TOP + 1) k = TOP;
-        while (k > 0 && s8[g] > top[k - 1]) top[k] = top[k - 1], at[k] = at[k - 1], k--;
-        top[k] = s8[g], at[k] = (int32_t)g;
+        while (k > 0 && s8 > top[k - 1]) top[k] = top[k - 1], at[k] = at[k - 1], k--;
+        top[k] = s8, at[k] = (int32_t)g;
     }
     out->cap = n == TOP + 1 ? top[TOP] : 0.f;
     for (int k = 0; k < TOP; k++) {
@@ -272,7 +274,7 @@ int rb_q4_screened(const rb_q4_weight *w, const float *table, const float *x, in
     for (int64_t i = 0; i < M * parts; i++) job.state[2 * i] = zero - INFINITY, job.state[2 * i + 1] = zero;
     q4_quantize(x, M, w->in, &q8, threads);
     q4_quantize(x, M, w->in, &q16, threads);
-    for (int64_t m = 0; m < M; m++) row_scales_of(q8.scale + m * G, G, (row_scales *)job.rows + m);
+    for (int64_t m = 0; m < M; m++) row_scales_of(&q8, m, G, (row_scales *)job.rows + m);
     q4_linear_hooked(w, &q8, M, y, parts, bound_tile, &job);
     rb_parallel(exact_part, &job, M < parts ? M : parts);
     q4_activations_free(&q16);

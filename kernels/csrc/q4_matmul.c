@@ -8,7 +8,7 @@
    instructions per activation row and plane, and the float work (convert, two multiply-adds) is
    paid once per 32 products per lane. A block's codes are unpacked once per group for a tile of
    activation rows; a thread owns a range of blocks and sweeps them for a chunk of rows at a time,
-   so the chunk's activations stay in L2. */
+   so the chunk's activations stay in L2 (a tile's rows side by side: q4.h). */
 #include "q4.h"
 #include "q16.h"
 #include "thread_pool.h"
@@ -20,7 +20,8 @@
 #include <stdlib.h>
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
-    const int64_t groups = M * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
+    const int64_t tiles = (M + Q4_ROW_TILE - 1) / Q4_ROW_TILE; /* q4_group_index's rows */
+    const int64_t groups = tiles * Q4_ROW_TILE * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
     x->digits = (int8_t *)aligned_alloc(64, 64 + bytes + ((4 * sizeof(float) * groups + 63) / 64) * 64); /* 64: never 0 */
     if (!x->digits) return -1;
     x->scale = (float *)(x->digits + bytes);
@@ -88,7 +89,7 @@ static void quantize_group(const float *x, int32_t largest, int planes, int offs
 
 typedef struct {
     const float *x;
-    int64_t groups; /* M * K / 32 */
+    int64_t groups, row_groups; /* M * K / 32, K / 32 */
     q4_activations *out;
 } quantize_job;
 
@@ -96,14 +97,16 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     const quantize_job *job = (const quantize_job *)ctx;
     const int planes = job->out->planes;
     const int32_t largest = planes == 1 ? Q8_MAX : Q16_MAX;
-    for (int64_t at = job->groups * part / parts; at < job->groups * (part + 1) / parts; at++)
-        quantize_group(job->x + at * 32, largest, planes, job->out->offset_digits,
+    for (int64_t from = job->groups * part / parts; from < job->groups * (part + 1) / parts; from++) {
+        const int64_t at = q4_group_index(from / job->row_groups, from % job->row_groups, job->row_groups);
+        quantize_group(job->x + from * 32, largest, planes, job->out->offset_digits,
                        job->out->digits + at * planes * 32, job->out->scale + at, job->out->sum + at,
                        job->out->sum16 + 2 * at);
+    }
 }
 
 void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads) {
-    quantize_job job = {x, M * (K / 32), out};
+    quantize_job job = {x, M * (K / 32), K / 32, out};
     rb_parallel(quantize_part, &job, M * K >= 8192 ? threads : 1); /* a thread hand-off costs ~1 us */
 }
 
@@ -193,17 +196,18 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         __m512i quad[8];
         load_quads(codes + g * 4 * 64, quad);
         __m512i dots[TILE];
+        const int64_t at0 = q4_group_index(row0, g, groups); /* row0 + i: at0 + i */
         if (R >= TILE_DOTS_ROWS) {
-            tile_dots(quad, x->digits + (row0 * groups + g) * P * 32, groups * P * 32, R, P, dots);
+            tile_dots(quad, x->digits + at0 * P * 32, P * 32, R, P, dots);
         } else {
             for (int i = 0; i < R; i++) {
                 __m512i dot_a, dot_b;
-                group_dots(quad, x->digits + ((row0 + i) * groups + g) * P * 32, P, &dot_a, &dot_b);
+                group_dots(quad, x->digits + (at0 + i) * P * 32, P, &dot_a, &dot_b);
                 dots[i] = _mm512_add_epi32(dot_a, dot_b);
             }
         }
         for (int i = 0; i < R; i++) {
-            const int64_t at = (row0 + i) * groups + g;
+            const int64_t at = at0 + i;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i]), _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[at])), acc[i]);
             acc[i] = _mm512_fmadd_ps(minimums, _mm512_set1_ps(x->sum[at]), acc[i]);
         }
@@ -271,7 +275,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
             }
         }
         for (int i = 0; i < R; i++) {
-            const int64_t at = (row0 + i) * groups + g;
+            const int64_t at = q4_group_index(row0, g, groups) + i;
             __m512i dot_a, dot_b;
             group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
             const __m512 xs = _mm512_set1_ps(x->scale[at]);
@@ -377,7 +381,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
             __m256i quad[8];
             load_quads(codes + g * 4 * 64 + h * 32, quad);
             for (int i = 0; i < R; i++) {
-                const int64_t at = (row0 + i) * groups + g;
+                const int64_t at = q4_group_index(row0, g, groups) + i;
                 __m256i dot_a, dot_b;
                 group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
                 const __m256i dot = _mm256_add_epi32(dot_a, dot_b);
@@ -432,7 +436,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                 quad[j] = _mm256_or_si256(quad[j], _mm256_and_si256(t, hmask));
             }
             for (int i = 0; i < R; i++) {
-                const int64_t at = (row0 + i) * groups + g;
+                const int64_t at = q4_group_index(row0, g, groups) + i;
                 __m256i dot_a, dot_b;
 #ifdef DOT_U8S8_SATURATES
                 if (signed_codes) signed_group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
@@ -507,7 +511,7 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
         for (int r = 0; r < Q4_ROWS; r++) {
             float total = 0.f;
             for (int64_t g = 0; g < groups; g++) {
-                const int64_t at = (row0 + i) * groups + g;
+                const int64_t at = q4_group_index(row0 + i, g, groups);
                 const int8_t *q = x->digits + at * P * 32;
                 int32_t dot[2] = {0, 0};
                 for (int p = 0; p < P; p++) {

@@ -130,7 +130,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *codes, c
         __m512i c[8];
         for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512((const void *)(codes + (g * 8 + j) * 64));
         for (int i = 0; i < R; i++) {
-            const int64_t at = (row0 + i) * groups + g;
+            const int64_t at = q4_group_index(row0, g, groups) + i; /* m0 steps by Q8_TILE = Q4_ROW_TILE */
             const int8_t *q = x->digits + at * P * 32;
             __m512i dot = _mm512_setzero_si512();
             for (int p = 0; p < P; p++) {
