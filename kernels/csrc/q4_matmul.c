@@ -200,12 +200,14 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         if (R >= TILE_DOTS_ROWS) {
             tile_dots(quad, x->digits + at0 * P * 32, P * 32, R, P, dots);
         } else {
+            #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
                 __m512i dot_a, dot_b;
                 group_dots(quad, x->digits + (at0 + i) * P * 32, P, &dot_a, &dot_b);
                 dots[i] = _mm512_add_epi32(dot_a, dot_b);
             }
         }
+        #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             const int64_t at = at0 + i;
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i]), _mm512_mul_ps(scales, _mm512_set1_ps(x->scale[at])), acc[i]);
@@ -274,6 +276,10 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                 quad[j] = _mm512_ternarylogic_epi32(quad[j], t, hmask, 0xF8); /* quad | (t & hmask) */
             }
         }
+        /* unrolled, so acc[i] stays in a register (the rows' loops below too): GCC left this body
+           rolled, with each row's accumulator loaded and stored per group (0.54B file's Q6_K
+           down projection at 512 rows: 1.07x faster unrolled, Zen 5) */
+        #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
             const int64_t at = q4_group_index(row0, g, groups) + i;
             __m512i dot_a, dot_b;
@@ -380,6 +386,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
             const __m256 minimums = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(params + g * 2 * Q4_ROWS + Q4_ROWS + h * 8)));
             __m256i quad[8];
             load_quads(codes + g * 4 * 64 + h * 32, quad);
+            #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
                 const int64_t at = q4_group_index(row0, g, groups) + i;
                 __m256i dot_a, dot_b;
@@ -435,6 +442,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                          : _mm256_srl_epi16(v, _mm_cvtsi32_si128(s - 4));
                 quad[j] = _mm256_or_si256(quad[j], _mm256_and_si256(t, hmask));
             }
+            #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
                 const int64_t at = q4_group_index(row0, g, groups) + i;
                 __m256i dot_a, dot_b;
