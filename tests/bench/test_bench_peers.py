@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -54,6 +55,23 @@ def test_vllm_runs_bf16_only_where_the_cpu_has_native_bf16():
     assert peers.vllm_dtype_for_cpu("flags\t: fpu avx2 avx512f avx512_bf16 avx512_vnni") == "bfloat16"
     assert peers.vllm_dtype_for_cpu("flags\t: fpu avx2 amx_bf16 amx_tile") == "bfloat16"
     assert peers.vllm_dtype_for_cpu("flags\t: fpu avx2 fma avx512f") == "float32"
+
+
+def test_vllm_peers_run_with_the_libraries_its_cpu_guide_preloads(tmp_path, monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "libmine.so")
+    monkeypatch.setattr(peers.ctypes.util, "find_library",
+                        lambda name: "libtcmalloc_minimal.so.4" if name == "tcmalloc_minimal" else None)
+    (tmp_path / "vllm" / "lib").mkdir(parents=True)
+    (tmp_path / "vllm" / "lib" / "libiomp5.so").write_bytes(b"")
+    env, preloaded = peers.peer_environment(peers.PEERS["vllm"], tmp_path)
+    expected = ["libtcmalloc_minimal.so.4"] + ([str(tmp_path / "vllm" / "lib" / "libiomp5.so")]
+                                              if os.uname().machine == "x86_64" else [])
+    assert preloaded == expected
+    assert env["LD_PRELOAD"] == ":".join(expected + ["libmine.so"])  # the user's own preloads kept
+    assert peers.peer_environment(peers.PEERS["vllm-server"], tmp_path)[1] == expected
+    for name in ("radix", "radix-server", "llamaserver"):  # nobody else's environment changes
+        env, preloaded = peers.peer_environment(peers.PEERS[name], tmp_path)
+        assert preloaded == [] and env["LD_PRELOAD"] == "libmine.so"
 
 
 def test_a_missing_peer_is_skipped_with_its_install_command(tmp_path, capsys):

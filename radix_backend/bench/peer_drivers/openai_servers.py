@@ -18,6 +18,12 @@ VLLM_CPU_ENV = {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "4",  # a
                 "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+def preloaded(plan: dict) -> str:
+    """The libraries the bench preloaded into a vLLM peer (`peers.vllm_preloads`), for its row's label."""
+    names = [os.path.basename(path) for path in plan.get("preloaded") or []]
+    return f", preloaded {' + '.join(names)}" if names else ""
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

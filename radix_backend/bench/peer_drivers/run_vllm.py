@@ -12,7 +12,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 from driver_protocol import CallResult, RunWave, main, measure
-from openai_servers import free_port, post, start_vllm_server, stop_server, wait_ready
+from openai_servers import free_port, post, preloaded, start_vllm_server, stop_server, wait_ready
 
 
 def start_server(plan: dict, port: int) -> subprocess.Popen:
@@ -51,7 +51,7 @@ def run(plan: dict) -> dict:
         result["startup_s"] = ready_s
         version = subprocess.run([plan["vllm_python"], "-c", "import vllm; print(vllm.__version__)"],
                                  capture_output=True, text=True).stdout.strip()
-        result["version"] = f"vllm {version} ({plan['vllm_dtype']}, prefix caching, OpenAI server)"
+        result["version"] = f"vllm {version} ({plan['vllm_dtype']}, prefix caching, OpenAI server{preloaded(plan)})"
         return result
     finally:
         stop_server(proc)

