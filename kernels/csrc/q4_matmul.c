@@ -89,24 +89,32 @@ static void quantize_group(const float *x, int32_t largest, int planes, int offs
 
 typedef struct {
     const float *x;
-    int64_t groups, row_groups; /* M * K / 32, K / 32 */
+    int64_t M, row_groups; /* rows, K / 32 */
     q4_activations *out;
 } quantize_job;
 
+/* A part takes whole units of one group of one tile of rows (q4_group_index: the unit's entries
+   lie side by side), so two threads never write the same cache line of scales and sums: split by
+   rows, the two halves of an 8-row decode step shared every line, and its 1536-wide matmul took
+   2.2x as long (Zen 5). */
 static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     const quantize_job *job = (const quantize_job *)ctx;
     const int planes = job->out->planes;
     const int32_t largest = planes == 1 ? Q8_MAX : Q16_MAX;
-    for (int64_t from = job->groups * part / parts; from < job->groups * (part + 1) / parts; from++) {
-        const int64_t at = q4_group_index(from / job->row_groups, from % job->row_groups, job->row_groups);
-        quantize_group(job->x + from * 32, largest, planes, job->out->offset_digits,
-                       job->out->digits + at * planes * 32, job->out->scale + at, job->out->sum + at,
-                       job->out->sum16 + 2 * at);
+    const int64_t G = job->row_groups, units = (job->M + Q4_ROW_TILE - 1) / Q4_ROW_TILE * G;
+    for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++) {
+        const int64_t row0 = unit / G * Q4_ROW_TILE, g = unit % G;
+        for (int64_t m = row0; m < row0 + Q4_ROW_TILE && m < job->M; m++) {
+            const int64_t at = unit * Q4_ROW_TILE + m - row0; /* q4_group_index(m, g, G) */
+            quantize_group(job->x + (m * G + g) * 32, largest, planes, job->out->offset_digits,
+                           job->out->digits + at * planes * 32, job->out->scale + at, job->out->sum + at,
+                           job->out->sum16 + 2 * at);
+        }
     }
 }
 
 void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads) {
-    quantize_job job = {x, M * (K / 32), K / 32, out};
+    quantize_job job = {x, M, K / 32, out};
     rb_parallel(quantize_part, &job, M * K >= 8192 ? threads : 1); /* a thread hand-off costs ~1 us */
 }
 
@@ -187,6 +195,7 @@ static inline __attribute__((always_inline)) void load_quads(const uint8_t *grou
 static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P) {
+    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -196,7 +205,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         __m512i quad[8];
         load_quads(codes + g * 4 * 64, quad);
         __m512i dots[TILE];
-        const int64_t at0 = q4_group_index(row0, g, groups); /* row0 + i: at0 + i */
+        const int64_t at0 = first_at + g * Q4_ROW_TILE; /* row0 + i: at0 + i */
         if (R >= TILE_DOTS_ROWS) {
             tile_dots(quad, x->digits + at0 * P * 32, P * 32, R, P, dots);
         } else {
@@ -245,6 +254,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P, const int layout) {
+    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
     const int hb = w->high_bits, kind = w->params_kind;
     const int64_t stride = q4_param_stride(w), half = Q4_ROWS * q4_param_bytes(w);
     const __m512 negoff = _mm512_set1_ps(-w->offset);
@@ -281,7 +291,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
            down projection at 512 rows: 1.07x faster unrolled, Zen 5) */
         #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
-            const int64_t at = q4_group_index(row0, g, groups) + i;
+            const int64_t at = first_at + g * Q4_ROW_TILE + i;
             __m512i dot_a, dot_b;
             group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
             const __m512 xs = _mm512_set1_ps(x->scale[at]);
@@ -377,6 +387,7 @@ static inline __attribute__((always_inline)) void load_quads(const uint8_t *grou
 static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P) {
+    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
     for (int h = 0; h < 2; h++) {
         __m256 acc[TILE];
         for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
@@ -388,7 +399,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
             load_quads(codes + g * 4 * 64 + h * 32, quad);
             #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
-                const int64_t at = q4_group_index(row0, g, groups) + i;
+                const int64_t at = first_at + g * Q4_ROW_TILE + i;
                 __m256i dot_a, dot_b;
                 group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
                 const __m256i dot = _mm256_add_epi32(dot_a, dot_b);
@@ -412,6 +423,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P, const int layout) {
+    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
     const int hb = w->high_bits, kind = w->params_kind;
     const int64_t bytes = q4_param_bytes(w), half = Q4_ROWS * bytes, stride = q4_param_stride(w);
     const int signed_codes = SIGNED_8BIT_CODES && hb == 4; /* signed_group_dots: no offset term */
@@ -444,7 +456,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
             }
             #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
-                const int64_t at = q4_group_index(row0, g, groups) + i;
+                const int64_t at = first_at + g * Q4_ROW_TILE + i;
                 __m256i dot_a, dot_b;
 #ifdef DOT_U8S8_SATURATES
                 if (signed_codes) signed_group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
