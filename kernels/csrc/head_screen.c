@@ -107,7 +107,7 @@ static void row_scales_of(const q4_activations *q8, int64_t m, int64_t G, row_sc
     int32_t at[TOP + 1];
     int n = 0;
     for (int64_t g = 0; g < G; g++) { /* the TOP + 1 largest, in decreasing order */
-        const float s8 = q8->scale[q4_group_index(m, g, G)];
+        const float s8 = q8->scale[q4_group_index(m, g, G, q8->row_tile)];
         int k = n < TOP + 1 ? n++ : TOP + 1;
         if (k == TOP + 1 && !(s8 > top[TOP])) continue;
         if (k == TOP + 1) k = TOP;

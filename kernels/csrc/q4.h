@@ -77,18 +77,22 @@ typedef struct {
     int8_t *digits;      /* [groups of rows (q4_group_index), planes, 32] */
     float *scale, *sum;  /* [groups of rows] */
     float *sum16;        /* [groups of rows, 2]: scale * sum q over features 0..15 and 16..31 */
+    int64_t row_tile;    /* rows per tile of the layout (q4_group_index), set by q4_quantize */
     int planes;
     int offset_digits;   /* digits stored + 128 (as uint8), for signed weights (q8_matmul.c) */
 } q4_activations;
 
-/* Where group g (of `groups` per row) of activation row m is kept: rows come in tiles of
-   Q4_ROW_TILE, and a tile's rows sit side by side within each group, so a kernel's tile of rows
-   (never across a tile's edge) is one pointer plus constant offsets. Row by row, the 8-row tile
-   needed 8 row addresses and the compiler spilled registers in the inner loop: the embedded model's
-   K = 576 matmuls ran ~1.1x slower at 64 and 512 rows on a Zen 5. */
+/* Where group g (of `groups` per row) of activation row m is kept: rows come in tiles of `tile`
+   rows, and a tile's rows sit side by side within each group, so a kernel's tile of rows (never
+   across a tile's edge) is one pointer plus constant offsets. Row by row, the 8-row tile needed 8
+   row addresses and the compiler spilled registers in the inner loop: the embedded model's K = 576
+   matmuls ran ~1.1x slower at 64 and 512 rows on a Zen 5. A single row keeps a tile of its own
+   (row by row): padded to 8, its groups lay 8x the cache lines apart and a 0.5B model's batch-1
+   matmuls ran 3-9 % slower. */
 #define Q4_ROW_TILE 8
-static inline int64_t q4_group_index(int64_t row, int64_t g, int64_t groups) {
-    return ((row / Q4_ROW_TILE) * groups + g) * Q4_ROW_TILE + row % Q4_ROW_TILE;
+static inline int64_t q4_row_tile(int64_t M) { return M == 1 ? 1 : Q4_ROW_TILE; }
+static inline int64_t q4_group_index(int64_t row, int64_t g, int64_t groups, int64_t tile) {
+    return ((row / tile) * groups + g) * tile + row % tile;
 }
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes);
@@ -114,8 +118,8 @@ void q4_linear_hooked(const rb_q4_weight *w, const q4_activations *x, int64_t M,
                       q4_tile_hook hook, void *hook_ctx);
 
 /* out[i * 16 + r]: block `block` (16 output rows) of the unchained low-bit weight w, bias added, for
-   activation rows row0 .. row0 + rows - 1, rows <= rb_q4_tile_rows() and all in one Q4_ROW_TILE
-   (row0 % Q4_ROW_TILE + rows <= Q4_ROW_TILE); each output computed
+   activation rows row0 .. row0 + rows - 1, rows <= rb_q4_tile_rows() and all in one tile of x's
+   layout (row0 % x->row_tile + rows <= x->row_tile); each output computed
    exactly as q4_linear computes it */
 void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x, int64_t row0, int64_t rows,
                    float *out);

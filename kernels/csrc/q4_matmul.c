@@ -20,13 +20,14 @@
 #include <stdlib.h>
 
 int q4_activations_alloc(q4_activations *x, int64_t M, int64_t K, int planes) {
-    const int64_t tiles = (M + Q4_ROW_TILE - 1) / Q4_ROW_TILE; /* q4_group_index's rows */
+    const int64_t tiles = (M + Q4_ROW_TILE - 1) / Q4_ROW_TILE; /* room for any q4_row_tile of up to M rows */
     const int64_t groups = tiles * Q4_ROW_TILE * (K / 32), bytes = ((groups * planes * 32 + 63) / 64) * 64;
     x->digits = (int8_t *)aligned_alloc(64, 64 + bytes + ((4 * sizeof(float) * groups + 63) / 64) * 64); /* 64: never 0 */
     if (!x->digits) return -1;
     x->scale = (float *)(x->digits + bytes);
     x->sum = x->scale + groups;
     x->sum16 = x->sum + groups;
+    x->row_tile = q4_row_tile(M);
     x->planes = planes;
     x->offset_digits = 0;
     return 0;
@@ -101,11 +102,11 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
     const quantize_job *job = (const quantize_job *)ctx;
     const int planes = job->out->planes;
     const int32_t largest = planes == 1 ? Q8_MAX : Q16_MAX;
-    const int64_t G = job->row_groups, units = (job->M + Q4_ROW_TILE - 1) / Q4_ROW_TILE * G;
+    const int64_t G = job->row_groups, T = job->out->row_tile, units = (job->M + T - 1) / T * G;
     for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++) {
-        const int64_t row0 = unit / G * Q4_ROW_TILE, g = unit % G;
-        for (int64_t m = row0; m < row0 + Q4_ROW_TILE && m < job->M; m++) {
-            const int64_t at = unit * Q4_ROW_TILE + m - row0; /* q4_group_index(m, g, G) */
+        const int64_t row0 = unit / G * T, g = unit % G;
+        for (int64_t m = row0; m < row0 + T && m < job->M; m++) {
+            const int64_t at = unit * T + m - row0; /* q4_group_index(m, g, G, T) */
             quantize_group(job->x + (m * G + g) * 32, largest, planes, job->out->offset_digits,
                            job->out->digits + at * planes * 32, job->out->scale + at, job->out->sum + at,
                            job->out->sum16 + 2 * at);
@@ -114,6 +115,7 @@ static void quantize_part(void *ctx, int64_t part, int64_t parts) {
 }
 
 void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int64_t threads) {
+    out->row_tile = q4_row_tile(M);
     quantize_job job = {x, M, K / 32, out};
     rb_parallel(quantize_part, &job, M * K >= 8192 ? threads : 1); /* a thread hand-off costs ~1 us */
 }
@@ -195,7 +197,7 @@ static inline __attribute__((always_inline)) void load_quads(const uint8_t *grou
 static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P) {
-    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
+    const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -205,9 +207,9 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
         __m512i quad[8];
         load_quads(codes + g * 4 * 64, quad);
         __m512i dots[TILE];
-        const int64_t at0 = first_at + g * Q4_ROW_TILE; /* row0 + i: at0 + i */
+        const int64_t at0 = first_at + g * T; /* row0 + i: at0 + i */
         if (R >= TILE_DOTS_ROWS) {
-            tile_dots(quad, x->digits + at0 * P * 32, P * 32, R, P, dots);
+            tile_dots(quad, x->digits + at0 * P * 32, P * 32, R, P, dots); /* R > 1: 8-row tiles (q4_row_tile) */
         } else {
             #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
@@ -254,7 +256,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P, const int layout) {
-    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
+    const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     const int hb = w->high_bits, kind = w->params_kind;
     const int64_t stride = q4_param_stride(w), half = Q4_ROWS * q4_param_bytes(w);
     const __m512 negoff = _mm512_set1_ps(-w->offset);
@@ -291,7 +293,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
            down projection at 512 rows: 1.07x faster unrolled, Zen 5) */
         #pragma GCC unroll 8
         for (int i = 0; i < R; i++) {
-            const int64_t at = first_at + g * Q4_ROW_TILE + i;
+            const int64_t at = first_at + g * T + i;
             __m512i dot_a, dot_b;
             group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
             const __m512 xs = _mm512_set1_ps(x->scale[at]);
@@ -387,7 +389,7 @@ static inline __attribute__((always_inline)) void load_quads(const uint8_t *grou
 static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P) {
-    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
+    const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     for (int h = 0; h < 2; h++) {
         __m256 acc[TILE];
         for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
@@ -399,7 +401,7 @@ static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, 
             load_quads(codes + g * 4 * 64 + h * 32, quad);
             #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
-                const int64_t at = first_at + g * Q4_ROW_TILE + i;
+                const int64_t at = first_at + g * T + i;
                 __m256i dot_a, dot_b;
                 group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
                 const __m256i dot = _mm256_add_epi32(dot_a, dot_b);
@@ -423,7 +425,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
                                                           float *out, const int R, const int P, const int layout) {
-    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
+    const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     const int hb = w->high_bits, kind = w->params_kind;
     const int64_t bytes = q4_param_bytes(w), half = Q4_ROWS * bytes, stride = q4_param_stride(w);
     const int signed_codes = SIGNED_8BIT_CODES && hb == 4; /* signed_group_dots: no offset term */
@@ -456,7 +458,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
             }
             #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
-                const int64_t at = first_at + g * Q4_ROW_TILE + i;
+                const int64_t at = first_at + g * T + i;
                 __m256i dot_a, dot_b;
 #ifdef DOT_U8S8_SATURATES
                 if (signed_codes) signed_group_dots(quad, x->digits + at * P * 32, P, &dot_a, &dot_b);
@@ -531,7 +533,7 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
         for (int r = 0; r < Q4_ROWS; r++) {
             float total = 0.f;
             for (int64_t g = 0; g < groups; g++) {
-                const int64_t at = q4_group_index(row0 + i, g, groups);
+                const int64_t at = q4_group_index(row0 + i, g, groups, x->row_tile);
                 const int8_t *q = x->digits + at * P * 32;
                 int32_t dot[2] = {0, 0};
                 for (int p = 0; p < P; p++) {

@@ -121,7 +121,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *codes, c
                                                           const int32_t *offsets, const q4_activations *x,
                                                           int64_t row0, int64_t groups, float *out, const int R,
                                                           const int P) {
-    const int64_t first_at = q4_group_index(row0, 0, groups); /* row0 + i's group g: first_at + g * Q4_ROW_TILE + i */
+    const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     __m512 acc[Q8_TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int8_t *codes, c
         __m512i c[8];
         for (int j = 0; j < 8; j++) c[j] = _mm512_loadu_si512((const void *)(codes + (g * 8 + j) * 64));
         for (int i = 0; i < R; i++) {
-            const int64_t at = first_at + g * Q4_ROW_TILE + i; /* m0 steps by Q8_TILE = Q4_ROW_TILE */
+            const int64_t at = first_at + g * T + i; /* m0 steps by Q8_TILE = Q4_ROW_TILE */
             const int8_t *q = x->digits + at * P * 32;
             __m512i dot = _mm512_setzero_si512();
             for (int p = 0; p < P; p++) {

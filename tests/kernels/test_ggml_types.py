@@ -70,6 +70,21 @@ def test_low_bit_matmul_matches_float64(kind, rows):
     assert relative_error(q4.q4_matmul(x, packed, threads=1, activation_bits=8), want) < 1.5e-2  # 8-bit: ~5e-3
 
 
+@pytest.mark.parametrize("kind", ggml.LOW_BIT_TYPES, ids=ggml.type_name)
+def test_a_rows_output_does_not_depend_on_its_batch_mates(kind):
+    """Row r's outputs are the same bits alone, in a partial tile, and in any tile of the 8-row
+    layout (q4.h's q4_group_index; one row keeps a layout of its own), on 1 or 2 threads."""
+    t = random_tensor(kind, 48, 512, seed=kind)
+    packed = q4.pack(ggml.group_codes(t))
+    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(kind))
+    for bits in (8, 16):
+        whole = q4.q4_matmul(x, packed, threads=2, activation_bits=bits)
+        for start, count in ((0, 1), (11, 1), (3, 2), (5, 9), (8, 11)):
+            for threads in (1, 2):
+                part = q4.q4_matmul(x[start:start + count], packed, threads=threads, activation_bits=bits)
+                assert torch.equal(part, whole[start:start + count]), (ggml.type_name(kind), bits, start, count)
+
+
 def test_chained_weights_of_mixed_types_equal_separate_calls():
     """A fused q/k/v whose parts have different types (Q4_K_M files) runs as one chained call."""
     parts = [q4.pack(ggml.group_codes(random_tensor(kind, n, 256, seed=n)))
