@@ -92,6 +92,17 @@ class KVManager:
             return _no_slots()
         return self.alloc_after(held.last_slot, held.kv_len, n)
 
+    def alloc_decode(self, count: int) -> tuple[torch.Tensor, ...] | None:
+        """One slot each for `count` requests that decode one token, from free slots, in one
+        allocation: the slots `count` calls of `alloc(held, 1)` would give, in that order, without
+        their per-call tensor work (~10 us a request, 0.3 ms of a batch-32 step). None where a call
+        could differ (pages of several slots) or the free slots do not suffice: the caller then
+        allocates request by request, evicting or retracting as that needs."""
+        if self.page_size != 1 or count > self.allocator.num_free:
+            return None
+        slots = self.allocator.alloc(count)
+        return None if slots is None else slots.view(count, 1).unbind(0)
+
     def alloc_after(self, last_slot: int | None, cur_len: int, n: int) -> torch.Tensor | None:
         """`n` slots continuing a sequence of `cur_len` tokens, evicting from the tree if needed."""
         slots = self.allocator.alloc_extend(last_slot, cur_len, n)

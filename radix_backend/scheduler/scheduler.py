@@ -167,7 +167,14 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduleBatch, budget: StepBudget) -> None:
         """Every running request computes its pending tokens (1 when decoding; the next chunk
         when its prompt is still being prefilled); retract others when KV runs out."""
-        for req in sorted(self.running, key=lambda r: r.submit_time):
+        running = sorted(self.running, key=lambda r: r.submit_time)
+        if running and all(req.pending_tokens == 1 for req in running):
+            slots = self.kv.alloc_decode(len(running))  # a plain decode step, the pool not short
+            if slots is not None:
+                for req, one in zip(running, slots):
+                    batch.add(req, one, 1)
+                return
+        for req in running:
             if req not in self.running:
                 continue  # retracted while making room for an earlier one
             n = req.pending_tokens

@@ -205,3 +205,18 @@ def test_cuda_pool_and_allocator(page_size):
     assert a.num_free == a.num_total
     with pytest.raises(SlotAccountingError):
         a.free(slots[:1])
+
+
+def test_a_decode_steps_slots_come_in_one_allocation_as_one_by_one():
+    from radix_backend.mem_cache.kv_manager import KVManager, RequestSlots
+
+    one_by_one, together = (KVManager(SlotAllocator(16, debug=True)) for _ in range(2))
+    for kv in (one_by_one, together):
+        kv.free(kv.allocator.alloc(5)[1::2])  # a used pool: freed slots come back in their own order
+    held = [RequestSlots() for _ in range(4)]
+    want = [one_by_one.alloc(h, 1) for h in held]
+    got = together.alloc_decode(4)
+    assert got is not None and [s.tolist() for s in got] == [s.tolist() for s in want]
+    assert all(s.shape == (1,) for s in got) and together.allocator.num_free == one_by_one.allocator.num_free
+    assert together.alloc_decode(together.allocator.num_free + 1) is None  # short: the caller goes one by one
+    assert KVManager(SlotAllocator(16, page_size=4), page_size=4).alloc_decode(2) is None  # pages of several slots
