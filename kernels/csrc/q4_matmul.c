@@ -142,6 +142,100 @@ static void quantize_tile8(const float *x, int64_t stride, int32_t largest, int 
     _mm256_storeu_ps(scale, _mm512_castps512_ps256(_mm512_permutexvar_ps(even, row_scale)));
 }
 #define HAVE_QUANTIZE_TILE8 1
+#elif defined(__AVX2__) /* quantize_group: the portable one below */
+/* the 8 lanes' maxima of 8 vectors, vector i's in lane i */
+static inline __m256 lanes_max8(const __m256 v[8]) {
+    __m256 t[4], u[2];
+    for (int i = 0; i < 4; i++) /* vectors 2i, 2i + 1: 4 lanes each */
+        t[i] = _mm256_max_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* low 128 bits: vectors 4i, 4i + 2; high: 4i + 1, 4i + 3; 2 lanes each */
+        u[i] = _mm256_max_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x88), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xDD));
+    const __m256 m = _mm256_max_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    return _mm256_permutevar8x32_ps(m, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* m: 0 2 4 6 | 1 3 5 7 */
+}
+
+/* the 8 lanes' sums of 8 vectors, vector i's in lane i */
+static inline __m256i lanes_sum8(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* round(x * inv) clamped to +-largest (lrintf's rounding: the default round-to-nearest-even) */
+static inline __m256i quantize8(__m256 x, __m256 inv, __m256i hi, __m256i lo) {
+    return _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x, inv)), hi), lo);
+}
+
+/* quantize_tile8 (above) with AVX2's 8 lanes: the same values as quantize_group_int row by row */
+static void quantize_tile8(const float *x, int64_t stride, int32_t largest, int offset, int8_t *d, float *scale,
+                           float *sum, float *sum16) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[8];
+    for (int m = 0; m < 8; m++) {
+        const float *row = x + m * stride;
+        const __m256 a = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(row)), _mm256_andnot_ps(sign, _mm256_loadu_ps(row + 8)));
+        const __m256 b = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(row + 16)), _mm256_andnot_ps(sign, _mm256_loadu_ps(row + 24)));
+        v[m] = _mm256_max_ps(a, b);
+    }
+    const __m256 amax = lanes_max8(v), top = _mm256_set1_ps((float)largest);
+    const __m256 inv = _mm256_and_ps(_mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_div_ps(top, amax));
+    const __m256i hi = _mm256_set1_epi32(largest), lo = _mm256_set1_epi32(-largest);
+    const __m256i flip = _mm256_set1_epi8(offset ? (char)0x80 : 0), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i first[8], second[8]; /* each row's halves, partial sums */
+    for (int m = 0; m < 8; m++) {
+        const float *row = x + m * stride;
+        const __m256 row_inv = _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(m));
+        const __m256i q0 = quantize8(_mm256_loadu_ps(row), row_inv, hi, lo), q1 = quantize8(_mm256_loadu_ps(row + 8), row_inv, hi, lo);
+        const __m256i q2 = quantize8(_mm256_loadu_ps(row + 16), row_inv, hi, lo), q3 = quantize8(_mm256_loadu_ps(row + 24), row_inv, hi, lo);
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3)); /* |q| <= 127 */
+        _mm256_storeu_si256((__m256i *)(d + 32 * m), _mm256_xor_si256(_mm256_permutevar8x32_epi32(bytes, order), flip));
+        first[m] = _mm256_add_epi32(q0, q1), second[m] = _mm256_add_epi32(q2, q3);
+    }
+    const __m256 row_scale = _mm256_div_ps(amax, top);
+    const __m256i sa = lanes_sum8(first), sb = lanes_sum8(second);
+    _mm256_storeu_ps(scale, row_scale);
+    _mm256_storeu_ps(sum, _mm256_mul_ps(row_scale, _mm256_cvtepi32_ps(_mm256_add_epi32(sa, sb))));
+    const __m256 fa = _mm256_mul_ps(row_scale, _mm256_cvtepi32_ps(sa)), fb = _mm256_mul_ps(row_scale, _mm256_cvtepi32_ps(sb));
+    const __m256 low = _mm256_unpacklo_ps(fa, fb), high = _mm256_unpackhi_ps(fa, fb); /* rows 0 1 4 5, rows 2 3 6 7 */
+    _mm256_storeu_ps(sum16, _mm256_permute2f128_ps(low, high, 0x20));
+    _mm256_storeu_ps(sum16 + 8, _mm256_permute2f128_ps(low, high, 0x31));
+}
+#define HAVE_QUANTIZE_TILE8 1
+
+/* quantize_group (below) on AVX2: the same values */
+static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
+                           float *sum, float *sum16) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4];
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 0x01));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1)); /* the maximum in every lane */
+    const float amax = _mm256_cvtss_f32(m);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? (float)largest / amax : 0.f);
+    const __m256i hi = _mm256_set1_epi32(largest), lo = _mm256_set1_epi32(-largest);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = quantize8(v[i], inv, hi, lo);
+    *scale = amax / (float)largest;
+    const __m256i halves = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    int32_t h[8];
+    _mm256_storeu_si256((__m256i *)h, halves); /* first half: h 0 1 4 5, second: 2 3 6 7 */
+    const int32_t sa = h[0] + h[1] + h[4] + h[5], sb = h[2] + h[3] + h[6] + h[7];
+    *sum = *scale * (float)(sa + sb);
+    sum16[0] = *scale * (float)sa, sum16[1] = *scale * (float)sb;
+    if (planes == 1) {
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)d, _mm256_xor_si256(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
+                                                           _mm256_set1_epi8(offset ? (char)0x80 : 0)));
+    } else {
+        int32_t all[32];
+        for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(all + 8 * i), q[i]);
+        store_digits(all, planes, offset, d);
+    }
+}
 #else
 static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
                            float *sum, float *sum16) {
