@@ -19,7 +19,7 @@ import torch
 
 from . import native
 from .moe_experts import MoEBlockStruct, NativeExperts, NativeWeight, SharedExpert
-from .q4 import DenseWeight, Q4WeightStruct
+from .q4 import GATED_ACTIVATIONS, DenseWeight, Q4WeightStruct
 
 
 class _Layer(ctypes.Structure):
@@ -29,8 +29,6 @@ class _Layer(ctypes.Structure):
                 ("k_norm", ctypes.c_void_p), ("qk_norm_whole", ctypes.c_int64), ("moe", ctypes.POINTER(MoEBlockStruct)), ("cos_sin", ctypes.c_void_p),
                 ("window", ctypes.c_int64), ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
                 ("activation", ctypes.c_int64), ("softcap", ctypes.c_float)]
-
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the MLP gates decode_stack.c runs
 
 
 class _Dims(ctypes.Structure):
@@ -118,7 +116,7 @@ class DecodeStack:
             s.window = w.window or 0
             s.attn_out_norm = None if w.attn_out_norm is None else w.attn_out_norm.data_ptr()
             s.mlp_out_norm = None if w.mlp_out_norm is None else w.mlp_out_norm.data_ptr()
-            s.activation = ACTIVATIONS[w.activation]
+            s.activation = GATED_ACTIVATIONS[w.activation]
             native.check_softcap(w.softcap, head_dim)
             s.softcap = w.softcap or 0.0
         self._bound: list[tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -67,6 +67,7 @@ _SIGNATURES = {
     "rb_argmax_threads": ([_P, _I, _I, _P, _I], None),
     "rb_sigmoid_gated_add": ([_P, _P, _P, _I, _I], None),
     "rb_q4_matmul": ([_P, _P, _I, _P, _I, _I], ctypes.c_int),
+    "rb_q4_glu": ([_P, _P, _I, _P, _I, _I, _I], ctypes.c_int),
     "rb_q4_screen_table": ([_P, _P, _I], ctypes.c_int),
     "rb_q4_screened": ([_P, _P, _P, _I, _I, _P, _I], ctypes.c_int),
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P, _I], None),

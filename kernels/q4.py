@@ -239,3 +239,26 @@ def q4_matmul(x: torch.Tensor, weight: PackedQ4 | DenseWeight, threads: int = 1,
                                      threads, activation_bits):
         raise native.NativeKernelError("4-bit matmul could not allocate its scratch memory")
     return out
+
+
+GATED_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # decode_stack.c / q4_matmul.c: RB_SILU, RB_GELU_TANH
+
+
+def q4_glu(x: torch.Tensor, weight: PackedQ4, half: int, activation: str, threads: int = 1,
+           activation_bits: int = 16) -> torch.Tensor | None:
+    """act(x @ gate^T) * (x @ up^T) -> [M, half] fp32 for a gate-then-up chain of 2 * half outputs, in
+    one pass that never writes the gate and up products out (q4_matmul.c: rb_q4_glu): the same bits as
+    `q4_matmul` followed by the activation kernel. None where the weight does not split at a block
+    boundary into the two halves (the caller then runs those two)."""
+    native.check_activation_bits(activation_bits)
+    if not isinstance(weight, PackedQ4) or weight.total_out != 2 * half or half % Q4_ROWS:
+        return None
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"x must be [M, {weight.in_features}], got {tuple(x.shape)}")
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], half)
+    rc = native.library().rb_q4_glu(ctypes.byref(weight.as_struct()), x.data_ptr(), x.shape[0], out.data_ptr(),
+                                    threads, activation_bits, GATED_ACTIVATIONS[activation])
+    if rc == -1:
+        raise native.NativeKernelError("4-bit matmul could not allocate its scratch memory")
+    return out if rc == 0 else None

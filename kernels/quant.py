@@ -101,6 +101,20 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def gated_activation(linear: nn.Module, x: torch.Tensor, half: int, activation: str) -> torch.Tensor | None:
+    """act(gate) * up of a gate-then-up `linear` on x [..., K] -> [..., half] in one native pass
+    (q4.q4_glu: the matmul's and the activation kernel's bits, without writing the 2 * half products
+    out), or None where that pass does not apply: weights off the native low-bit kernel, a bias kept
+    outside the packed weight, inputs other than fp32 on the CPU."""
+    weight = getattr(linear, "native_q4", None)
+    if weight is None or getattr(linear, "bias", None) is not None or not native.supports(x):
+        return None
+    bits = getattr(linear, "fixed_activation_bits", None) or activation_bits()
+    act = q4.q4_glu(x.reshape(-1, x.shape[-1]), weight, half, activation, threads=settings.matmul_threads(),
+                    activation_bits=bits)
+    return None if act is None else act.view(*x.shape[:-1], half)
+
+
 class _LowBitLinear(nn.Module):
     """y = x @ W^T (+ bias). Small batches (<= small_batch_rows rows) run the packed low-bit
     kernel, which is bound by weight bytes; larger ones, where that kernel is compute bound and

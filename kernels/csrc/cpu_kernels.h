@@ -49,6 +49,7 @@ void rb_add_rms_norm(const float *x, const float *residual, const float *weight,
                      float eps, float *out, float *out_residual);
 void rb_rope(const float *x, int64_t x_stride, int64_t tokens, int64_t heads, int64_t dim,
              const int64_t *positions, const float *cos_sin, int64_t rot, float *out);
+enum { RB_SILU = 0, RB_GELU_TANH = 1 }; /* a gated MLP's activation */
 void rb_silu_and_mul(const float *x, int64_t rows, int64_t d, float *out);
 void rb_gelu_tanh_and_mul(const float *x, int64_t rows, int64_t d, float *out);
 void rb_sigmoid_gated_add(float *y, const float *gate, const float *x, int64_t rows, int64_t d);

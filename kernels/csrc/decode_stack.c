@@ -33,8 +33,6 @@ typedef struct {
     float softcap;                       /* Gemma 2: attention scores capped as softcap * tanh(s / softcap); 0: none */
 } rb_decoder_layer;
 
-enum { RB_SILU = 0, RB_GELU_TANH = 1 };
-
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;     /* RMSNorm epsilon, attention scale */

@@ -9,6 +9,7 @@
    paid once per 32 products per lane. A block's codes are unpacked once per group for a tile of
    activation rows; a thread owns a range of blocks and sweeps them for a chunk of rows at a time,
    so the chunk's activations stay in L2 (a tile's rows side by side: q4.h). */
+#include "cpu_kernels.h"
 #include "q4.h"
 #include "q16.h"
 #include "thread_pool.h"
@@ -742,21 +743,27 @@ typedef struct {
     void *hook_ctx;
 } q4_job;
 
-/* Block `block` (of 16 output rows) of an unchained weight for activation rows row0 .. row0 + rows
-   - 1 (rows <= TILE), bias added: out[i * 16 + r], each output exactly as q4_part computes it (its
-   arithmetic is the same whatever `rows` is: the tile only shares the unpacked codes). q4_part
-   keeps its own copy of these lines: through this call the matmul ran 5-10 % slower. */
-void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x, int64_t row0, int64_t rows,
-                   float *out) {
-    const int64_t groups = w->in / 32;
-    const uint8_t *codes = w->codes + block * groups * 4 * Q4_ROWS * 4;
-    const uint8_t *high = w->high ? w->high + block * groups * w->high_bits * 64 : NULL;
-    const uint8_t *params = (const uint8_t *)w->params + block * groups * q4_param_stride(w);
-    const _Float16 *super = w->super ? w->super + block * (groups / 8) * 2 * Q4_ROWS : NULL;
-    const float *bias = w->bias ? w->bias + block * Q4_ROWS : NULL;
-    q4_rows(w, codes, high, params, super, x, row0, rows, groups, out);
+/* block b (16 outputs) of the unchained weight w for activation rows m0 .. m0 + rows - 1 (rows <=
+   TILE, one tile of x's layout): out[i * 16 + r], the bias (or 0) added. The matmul, the gated MLP
+   and q4_block_rows inline this (through a call the matmul ran 5-10 % slower). */
+static inline __attribute__((always_inline)) void block_tile(const rb_q4_weight *w, int64_t b, const q4_activations *x,
+                                                             int64_t m0, int64_t rows, int64_t groups, float *out) {
+    const uint8_t *codes = w->codes + b * groups * 4 * Q4_ROWS * 4;
+    const uint8_t *high = w->high ? w->high + b * groups * w->high_bits * 64 : NULL;
+    const uint8_t *params = (const uint8_t *)w->params + b * groups * q4_param_stride(w);
+    const _Float16 *super = w->super ? w->super + b * (groups / 8) * 2 * Q4_ROWS : NULL;
+    const float *bias = w->bias ? w->bias + b * Q4_ROWS : NULL;
+    q4_rows(w, codes, high, params, super, x, m0, rows, groups, out);
     for (int64_t i = 0; i < rows; i++)
         for (int r = 0; r < Q4_ROWS; r++) out[i * Q4_ROWS + r] += bias ? bias[r] : 0.f;
+}
+
+/* Block `block` of an unchained weight for activation rows row0 .. row0 + rows - 1: each output
+   exactly as q4_part computes it (its arithmetic is the same whatever `rows` is: the tile only
+   shares the unpacked codes) */
+void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x, int64_t row0, int64_t rows,
+                   float *out) {
+    block_tile(w, block, x, row0, rows, w->in / 32, out);
 }
 
 static void q4_part(void *ctx, int64_t part, int64_t parts) {
@@ -767,25 +774,62 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
         const int64_t c1 = c0 + ROW_CHUNK < job->M ? c0 + ROW_CHUNK : job->M;
         int64_t base = 0; /* the chain's first block of weight w */
         for (const rb_q4_weight *w = job->w; w; base += w->out / Q4_ROWS, w = w->next) {
-            const int64_t stride = q4_param_stride(w);
             const int64_t lo = first > base ? first : base, end = base + w->out / Q4_ROWS;
-            for (int64_t block = lo; block < (last < end ? last : end); block++) {
-                const int64_t b = block - base;
-                const uint8_t *codes = w->codes + b * groups * 4 * Q4_ROWS * 4;
-                const uint8_t *high = w->high ? w->high + b * groups * w->high_bits * 64 : NULL;
-                const uint8_t *params = (const uint8_t *)w->params + b * groups * stride;
-                const _Float16 *super = w->super ? w->super + b * (groups / 8) * 2 * Q4_ROWS : NULL;
-                const float *bias = w->bias ? w->bias + b * Q4_ROWS : NULL;
+            for (int64_t block = lo; block < (last < end ? last : end); block++)
                 for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
                     const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
                     float out[TILE * Q4_ROWS];
-                    q4_rows(w, codes, high, params, super, job->x, m0, rows, groups, out);
-                    for (int64_t i = 0; i < rows; i++) {
-                        float *ym = job->y + (m0 + i) * width + block * Q4_ROWS;
-                        for (int r = 0; r < Q4_ROWS; r++) ym[r] = out[i * Q4_ROWS + r] + (bias ? bias[r] : 0.f);
-                    }
+                    block_tile(w, block - base, job->x, m0, rows, groups, out);
+                    for (int64_t i = 0; i < rows; i++)
+                        memcpy(job->y + (m0 + i) * width + block * Q4_ROWS, out + i * Q4_ROWS, sizeof(float) * Q4_ROWS);
                     if (job->hook) job->hook(job->hook_ctx, part, block, m0, rows);
                 }
+        }
+    }
+}
+
+/* ---- a gated MLP's first half: act = f(x @ gate^T) * (x @ up^T) -----------------------------------
+   Why: written out whole, a prefill's gate and up products (M x 2I floats: 12 MB a layer for 1,024
+   tokens of the embedded model) leave the caches before the activation reads them back. Here a
+   thread takes gate block j and up block j (16 features each) for a tile of rows and applies the
+   activation while both are in cache, so only act [M, I] is written. Each value is the matmul's and
+   then the activation kernel's (cpu_kernels.c, on one row of 16 features at a time: the same vector
+   arithmetic as on whole rows), so the bits equal the two calls'. */
+typedef struct {
+    const rb_q4_weight *w; /* the chain: gate's I outputs, then up's */
+    const q4_activations *x;
+    int64_t M, half;       /* rows; I */
+    float *act;
+    int64_t activation;    /* RB_SILU or RB_GELU_TANH */
+} glu_job;
+
+/* the weight of the chain holding its output block *block, which becomes the index within it */
+static const rb_q4_weight *chain_block(const rb_q4_weight *w, int64_t *block) {
+    for (; *block >= w->out / Q4_ROWS; w = w->next) *block -= w->out / Q4_ROWS;
+    return w;
+}
+
+static void glu_part(void *ctx, int64_t part, int64_t parts) {
+    const glu_job *job = (const glu_job *)ctx;
+    const int64_t groups = job->w->in / 32, blocks = job->half / Q4_ROWS;
+    const int64_t first = blocks * part / parts, last = blocks * (part + 1) / parts;
+    void (*activate)(const float *, int64_t, int64_t, float *) =
+        job->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul;
+    for (int64_t c0 = 0; c0 < job->M; c0 += ROW_CHUNK) {
+        const int64_t c1 = c0 + ROW_CHUNK < job->M ? c0 + ROW_CHUNK : job->M;
+        for (int64_t j = first; j < last; j++) {
+            int64_t gate_block = j, up_block = j + blocks;
+            const rb_q4_weight *gate = chain_block(job->w, &gate_block), *up = chain_block(job->w, &up_block);
+            for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
+                const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
+                float gate_up[TILE][2 * Q4_ROWS], out[TILE * Q4_ROWS]; /* rows of (gate | up), as the kernel takes them */
+                block_tile(gate, gate_block, job->x, m0, rows, groups, out);
+                for (int64_t i = 0; i < rows; i++) memcpy(gate_up[i], out + i * Q4_ROWS, sizeof(float) * Q4_ROWS);
+                block_tile(up, up_block, job->x, m0, rows, groups, out);
+                for (int64_t i = 0; i < rows; i++) memcpy(gate_up[i] + Q4_ROWS, out + i * Q4_ROWS, sizeof(float) * Q4_ROWS);
+                activate(gate_up[0], rows, Q4_ROWS, out);
+                for (int64_t i = 0; i < rows; i++)
+                    memcpy(job->act + (m0 + i) * job->half + j * Q4_ROWS, out + i * Q4_ROWS, sizeof(float) * Q4_ROWS);
             }
         }
     }
@@ -859,6 +903,28 @@ int rb_q4_matmul(const rb_q4_weight *w, const float *x, int64_t M, float *y, int
     q4_activations q;
     if (q4_activations_alloc(&q, M, w->in, bits / 8)) return -1;
     q4_linear(w, x, M, &q, y, threads);
+    q4_activations_free(&q);
+    return 0;
+}
+
+/* act [M, I] = f(x @ gate^T) * (x @ up^T) for a low-bit chain w of 2I outputs, gate's then up's (I a
+   multiple of 16), f SiLU or tanh-GELU (`activation`: RB_SILU, RB_GELU_TANH): the same bits as
+   rb_q4_matmul followed by the activation kernel. Returns 0, -1 if memory ran out, -2 for other
+   activation bits, -3 for a chain this does not take (dense links, halves off a block boundary, an
+   unknown activation). */
+int rb_q4_glu(const rb_q4_weight *w, const float *x, int64_t M, float *act, int64_t threads, int64_t bits,
+              int64_t activation) {
+    if (bits != 8 && bits != 16) return -2;
+    const int64_t width = q4_chain_out(w);
+    for (const rb_q4_weight *link = w; link; link = link->next)
+        if (link->dense) return -3;
+    if (width % (2 * Q4_ROWS) || (activation != RB_SILU && activation != RB_GELU_TANH)) return -3;
+    q4_activations q;
+    if (q4_activations_alloc(&q, M, w->in, (int)(bits / 8))) return -1;
+    q.offset_digits = 0;
+    q4_quantize(x, M, w->in, &q, threads);
+    glu_job job = {w, &q, M, width / 2, act, activation};
+    rb_parallel(glu_part, &job, threads);
     q4_activations_free(&q);
     return 0;
 }

@@ -194,6 +194,7 @@ class MLP(nn.Module):
         super().__init__()
         intermediate = (intermediate_size or config.intermediate_size) // tp_size
         bias = bool(getattr(config, "mlp_bias", False))  # Llama's gate, up and down biases
+        self.intermediate = intermediate
         self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, config.hidden_size, bias=bias)
         self.all_reduce = all_reduce
@@ -207,7 +208,10 @@ class MLP(nn.Module):
         return ops.silu_and_mul(gate_up, fp32_math=gate_up.dtype != x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.activate(self.gate_up_proj(x), x)).to(x.dtype)
+        act = quant.gated_activation(self.gate_up_proj, x, self.intermediate, self.activation_name)
+        if act is None:
+            act = self.activate(self.gate_up_proj(x), x)
+        out = self.down_proj(act).to(x.dtype)
         if self.out_scale != 1.0:
             out = out * self.out_scale
         if self.all_reduce is not None:

@@ -87,6 +87,39 @@ def test_a_rows_output_does_not_depend_on_its_batch_mates(kind):
                 assert torch.equal(part, whole[start:start + count]), (ggml.type_name(kind), bits, start, count)
 
 
+def _gate_up(kinds: tuple[int, int], half: int = 64, cols: int = 512) -> q4.PackedQ4:
+    """A gate-then-up chain of two low-bit weights (the up half with a bias), each padded to whole
+    16-row blocks."""
+    return q4.chain([q4.pack(q4.pad_rows(ggml.group_codes(random_tensor(kind, half, cols, seed=kind + 7 * i))),
+                             bias=torch.randn(-(-half // 16) * 16, generator=torch.Generator().manual_seed(i)) if i else None)
+                     for i, kind in enumerate(kinds)])
+
+
+@pytest.mark.parametrize("kinds", [(ggml.Q4_1, ggml.Q4_1), (ggml.Q5_0, ggml.Q6_K), (ggml.Q4_K, ggml.Q8_0)],
+                         ids=lambda ks: "+".join(map(ggml.type_name, ks)))
+def test_gated_mlp_pass_equals_the_matmul_then_the_activation(kinds):
+    """q4_glu (the gate and up products and the activation in one pass) gives the bits of the
+    matmul over the chain followed by the activation kernel, for any rows, threads, activation
+    format and gate."""
+    w = _gate_up(kinds)
+    for rows in (1, 3, 8, 17, 300):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        for bits in (8, 16):
+            for threads in (1, 2):
+                both = q4.q4_matmul(x, w, threads=threads, activation_bits=bits)
+                for activation, kernel in (("silu", native.silu_and_mul), ("gelu_tanh", native.gelu_tanh_and_mul)):
+                    got = q4.q4_glu(x, w, 64, activation, threads=threads, activation_bits=bits)
+                    assert torch.equal(got, kernel(both)), (rows, bits, threads, activation)
+
+
+def test_gated_mlp_pass_declines_what_it_cannot_split():
+    """Halves off a 16-row block boundary, or a size that is not the chain's, leave the caller the
+    two-step path (None), never a wrong split."""
+    x = torch.randn(4, 512)
+    assert q4.q4_glu(x, _gate_up((ggml.Q4_1, ggml.Q4_1)), 48, "silu") is None
+    assert q4.q4_glu(x, _gate_up((ggml.Q4_1, ggml.Q4_1), half=40), 40, "silu") is None
+
+
 def test_chained_weights_of_mixed_types_equal_separate_calls():
     """A fused q/k/v whose parts have different types (Q4_K_M files) runs as one chained call."""
     parts = [q4.pack(ggml.group_codes(random_tensor(kind, n, 256, seed=n)))
@@ -175,6 +208,12 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
             want = q4.q4_matmul(x, packed, activation_bits=bits)  # float sums in another order only
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()),
                                        msg=f"{ggml.type_name(kind)}, {bits}-bit activations")
+    w = _gate_up((ggml.Q5_0, ggml.Q6_K), cols=256)  # the gated MLP pass equals that build's two steps
+    both, act, want = torch.empty(9, 128), torch.empty(9, 64), torch.empty(9, 64)
+    assert lib.rb_q4_matmul(ctypes.byref(w.as_struct()), x.data_ptr(), 9, both.data_ptr(), 2, 8) == 0
+    lib.rb_silu_and_mul_threads(both.data_ptr(), 9, 64, want.data_ptr(), 2)
+    assert lib.rb_q4_glu(ctypes.byref(w.as_struct()), x.data_ptr(), 9, act.data_ptr(), 2, 8, 0) == 0
+    assert torch.equal(act, want)
 
 
 def test_native_packer_refuses_blocks_of_the_wrong_size():
