@@ -172,8 +172,10 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
                 rb_sigmoid_gated_add(hidden, shared_logit, shared_out, T, H);
             }
         } else {
-            q4_linear(&L->gate_up, mlp_in, T, &quantized, gate_up, threads);
-            (L->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul)(gate_up, T, I, act);
+            if (q4_glu(&L->gate_up, mlp_in, T, &quantized, act, threads, L->activation)) { /* dense (fp32 path) */
+                q4_linear(&L->gate_up, mlp_in, T, &quantized, gate_up, threads);
+                (L->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul)(gate_up, T, I, act);
+            }
             q4_linear(&L->down, act, T, &quantized, hidden, threads);
         }
         scale_rows(hidden, T * H, d->out_scale);

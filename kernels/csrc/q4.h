@@ -106,6 +106,14 @@ void f32_linear(const rb_q4_weight *w, const float *x, int64_t M, float *y, int6
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
                int64_t threads);
 
+/* act [M, I] = f(x @ gate^T) * (x @ up^T) for a low-bit chain w of 2I outputs, gate's then up's (I a
+   multiple of 16), f RB_SILU or RB_GELU_TANH (cpu_kernels.h): the bits of q4_linear followed by the
+   activation kernel, without writing the gate and up products out. x quantized into `scratch` as
+   q4_linear does. Returns 0, or -3 (nothing done) for a chain it does not take (dense links, halves
+   off a block boundary) or another activation. */
+int q4_glu(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *act, int64_t threads,
+           int64_t activation);
+
 /* y [count, N]: row i = x row i @ ws[i]^T (+ bias), every ws[i] low-bit, unchained, [N, K] */
 void q4_linear_rows(const rb_q4_weight *const *ws, int64_t count, const float *x, q4_activations *scratch,
                     float *y, int64_t threads);

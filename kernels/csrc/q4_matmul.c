@@ -922,26 +922,34 @@ int rb_q4_matmul(const rb_q4_weight *w, const float *x, int64_t M, float *y, int
     return 0;
 }
 
-/* act [M, I] = f(x @ gate^T) * (x @ up^T) for a low-bit chain w of 2I outputs, gate's then up's (I a
-   multiple of 16), f SiLU or tanh-GELU (`activation`: RB_SILU, RB_GELU_TANH): the same bits as
-   rb_q4_matmul followed by the activation kernel. Returns 0, -1 if memory ran out, -2 for other
-   activation bits, -3 for a chain this does not take (dense links, halves off a block boundary, an
-   unknown activation). */
+/* Whether w is a gate-then-up chain q4_glu takes: low-bit links only, halves on a block boundary */
+static int glu_splits(const rb_q4_weight *w) {
+    for (const rb_q4_weight *link = w; link; link = link->next)
+        if (link->dense) return 0;
+    return q4_chain_out(w) % (2 * Q4_ROWS) == 0;
+}
+
+int q4_glu(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *act, int64_t threads,
+           int64_t activation) {
+    if (!glu_splits(w) || (activation != RB_SILU && activation != RB_GELU_TANH)) return -3;
+    scratch->offset_digits = 0;
+    q4_quantize(x, M, w->in, scratch, threads);
+    glu_job job = {w, scratch, M, q4_chain_out(w) / 2, act, activation};
+    rb_parallel(glu_part, &job, threads);
+    return 0;
+}
+
+/* q4_glu with its own scratch for `bits`-bit activations (8 or 16). Returns 0, -1 if memory ran
+   out, -2 for other activation bits, -3 for a chain q4_glu does not take. */
 int rb_q4_glu(const rb_q4_weight *w, const float *x, int64_t M, float *act, int64_t threads, int64_t bits,
               int64_t activation) {
     if (bits != 8 && bits != 16) return -2;
-    const int64_t width = q4_chain_out(w);
-    for (const rb_q4_weight *link = w; link; link = link->next)
-        if (link->dense) return -3;
-    if (width % (2 * Q4_ROWS) || (activation != RB_SILU && activation != RB_GELU_TANH)) return -3;
+    if (!glu_splits(w) || (activation != RB_SILU && activation != RB_GELU_TANH)) return -3;
     q4_activations q;
     if (q4_activations_alloc(&q, M, w->in, (int)(bits / 8))) return -1;
-    q.offset_digits = 0;
-    q4_quantize(x, M, w->in, &q, threads);
-    glu_job job = {w, &q, M, width / 2, act, activation};
-    rb_parallel(glu_part, &job, threads);
+    const int rc = q4_glu(w, x, M, &q, act, threads, activation);
     q4_activations_free(&q);
-    return 0;
+    return rc;
 }
 
 /* codes [N, K] (one byte each, < 2^(4 + high_bits)) into q4.h's layout: their low 4 bits as the
