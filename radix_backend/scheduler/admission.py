@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..utils import common_prefix_len
 from .request import Req
 
 DECODE_RESERVE_TOKENS = 16  # per running request, kept free when admitting new prompts
@@ -70,7 +69,7 @@ class PrefillAdder:
     running: Sequence[Req]
     max_running: int
     admitted: list[Req] = field(default_factory=list)
-    _prefilling: list[list[int]] = field(default_factory=list)
+    _prefilling: list[list[int]] = field(default_factory=list)  # token lists (`Req.fill_ids`)
 
     def __post_init__(self) -> None:
         self._prefilling = [r.fill_ids for r in self.running if r.kv.kv_len < len(r.prompt_ids)]
@@ -84,10 +83,15 @@ class PrefillAdder:
         return self.budget.prefill_tokens > 0 and len(self.running) + len(self.admitted) < self.max_running
 
     def should_defer(self, req: Req) -> bool:
-        """Would admitting `req` now recompute a prefix another request is computing this step?"""
-        ids = req.fill_ids[:req.max_prefix_len]
-        return any(common_prefix_len(ids, other) - req.kv.cached_len >= IN_BATCH_PREFIX_TOKENS
-                   for other in self._prefilling)
+        """Would admitting `req` now recompute a prefix another request is computing this step? That
+        is, does another one begin with the same `cached_len + IN_BATCH_PREFIX_TOKENS` tokens (one
+        list comparison each, which stops where they part)."""
+        shared = req.kv.cached_len + IN_BATCH_PREFIX_TOKENS
+        ids = req.fill_ids
+        if min(len(ids), req.max_prefix_len) < shared:
+            return False
+        head = ids[:shared]
+        return any(other[:shared] == head for other in self._prefilling)
 
     def admissible_len(self, req: Req, available_kv: int) -> int:
         """Tokens of `req` to prefill now, or 0: stop admitting (budget or KV short; the order is
