@@ -168,30 +168,40 @@ static inline __m256i quantize8(__m256 x, __m256 inv, __m256i hi, __m256i lo) {
     return _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x, inv)), hi), lo);
 }
 
+/* lane-wise max |x| over a group's 32 values (4 vectors) */
+static inline __m256 group_abs_max(const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+    for (int i = 1; i < 4; i++) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+    return m;
+}
+
+/* a group's 32 values as integers q[4] (8 each) at the given 1 / scale */
+static inline void quantize_group8(const float *x, __m256 inv, int32_t largest, __m256i q[4]) {
+    const __m256i hi = _mm256_set1_epi32(largest), lo = _mm256_set1_epi32(-largest);
+    for (int i = 0; i < 4; i++) q[i] = quantize8(_mm256_loadu_ps(x + 8 * i), inv, hi, lo);
+}
+
+/* q[4] (|q| <= 127) as the group's 32 8-bit digits, in order (+ 128 as uint8 with `offset`) */
+static inline void store_bytes8(const __m256i q[4], int offset, int8_t *d) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)d, _mm256_xor_si256(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
+                                                       _mm256_set1_epi8(offset ? (char)0x80 : 0)));
+}
+
 /* quantize_tile8 (above) with AVX2's 8 lanes: the same values as quantize_group_int row by row */
 static void quantize_tile8(const float *x, int64_t stride, int32_t largest, int offset, int8_t *d, float *scale,
                            float *sum, float *sum16) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 v[8];
-    for (int m = 0; m < 8; m++) {
-        const float *row = x + m * stride;
-        const __m256 a = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(row)), _mm256_andnot_ps(sign, _mm256_loadu_ps(row + 8)));
-        const __m256 b = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(row + 16)), _mm256_andnot_ps(sign, _mm256_loadu_ps(row + 24)));
-        v[m] = _mm256_max_ps(a, b);
-    }
+    for (int m = 0; m < 8; m++) v[m] = group_abs_max(x + m * stride);
     const __m256 amax = lanes_max8(v), top = _mm256_set1_ps((float)largest);
     const __m256 inv = _mm256_and_ps(_mm256_cmp_ps(amax, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_div_ps(top, amax));
-    const __m256i hi = _mm256_set1_epi32(largest), lo = _mm256_set1_epi32(-largest);
-    const __m256i flip = _mm256_set1_epi8(offset ? (char)0x80 : 0), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256i first[8], second[8]; /* each row's halves, partial sums */
     for (int m = 0; m < 8; m++) {
-        const float *row = x + m * stride;
-        const __m256 row_inv = _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(m));
-        const __m256i q0 = quantize8(_mm256_loadu_ps(row), row_inv, hi, lo), q1 = quantize8(_mm256_loadu_ps(row + 8), row_inv, hi, lo);
-        const __m256i q2 = quantize8(_mm256_loadu_ps(row + 16), row_inv, hi, lo), q3 = quantize8(_mm256_loadu_ps(row + 24), row_inv, hi, lo);
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3)); /* |q| <= 127 */
-        _mm256_storeu_si256((__m256i *)(d + 32 * m), _mm256_xor_si256(_mm256_permutevar8x32_epi32(bytes, order), flip));
-        first[m] = _mm256_add_epi32(q0, q1), second[m] = _mm256_add_epi32(q2, q3);
+        __m256i q[4];
+        quantize_group8(x + m * stride, _mm256_permutevar8x32_ps(inv, _mm256_set1_epi32(m)), largest, q);
+        store_bytes8(q, offset, d + 32 * m);
+        first[m] = _mm256_add_epi32(q[0], q[1]), second[m] = _mm256_add_epi32(q[2], q[3]);
     }
     const __m256 row_scale = _mm256_div_ps(amax, top);
     const __m256i sa = lanes_sum8(first), sb = lanes_sum8(second);
@@ -207,19 +217,13 @@ static void quantize_tile8(const float *x, int64_t stride, int32_t largest, int 
 /* quantize_group (below) on AVX2: the same values */
 static void quantize_group(const float *x, int32_t largest, int planes, int offset, int8_t *d, float *scale,
                            float *sum, float *sum16) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 v[4];
-    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m256 m = group_abs_max(x);
     m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 0x01));
     m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
     m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1)); /* the maximum in every lane */
     const float amax = _mm256_cvtss_f32(m);
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? (float)largest / amax : 0.f);
-    const __m256i hi = _mm256_set1_epi32(largest), lo = _mm256_set1_epi32(-largest);
     __m256i q[4];
-    for (int i = 0; i < 4; i++) q[i] = quantize8(v[i], inv, hi, lo);
+    quantize_group8(x, _mm256_set1_ps(amax > 0.f ? (float)largest / amax : 0.f), largest, q);
     *scale = amax / (float)largest;
     const __m256i halves = _mm256_hadd_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     int32_t h[8];
@@ -228,9 +232,7 @@ static void quantize_group(const float *x, int32_t largest, int planes, int offs
     *sum = *scale * (float)(sa + sb);
     sum16[0] = *scale * (float)sa, sum16[1] = *scale * (float)sb;
     if (planes == 1) {
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)d, _mm256_xor_si256(_mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
-                                                           _mm256_set1_epi8(offset ? (char)0x80 : 0)));
+        store_bytes8(q, offset, d);
     } else {
         int32_t all[32];
         for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(all + 8 * i), q[i]);
@@ -944,7 +946,6 @@ int q4_glu(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scr
 int rb_q4_glu(const rb_q4_weight *w, const float *x, int64_t M, float *act, int64_t threads, int64_t bits,
               int64_t activation) {
     if (bits != 8 && bits != 16) return -2;
-    if (!glu_splits(w) || (activation != RB_SILU && activation != RB_GELU_TANH)) return -3;
     q4_activations q;
     if (q4_activations_alloc(&q, M, w->in, (int)(bits / 8))) return -1;
     const int rc = q4_glu(w, x, M, &q, act, threads, activation);
