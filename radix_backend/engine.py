@@ -118,8 +118,7 @@ class Engine:
             kw = {"prompt": item} if isinstance(prompt, list) else {"input_ids": item} if input_ids is not None else {"messages": item}
             ids = self.requests.prompt_ids(kw.get("prompt"), kw.get("input_ids"), kw.get("messages"))
             reqs.append(self.requests.request(ids, p, stream=False))
-        for req in reqs:
-            self.scheduler.submit(req)
+        self.scheduler.submit_all(reqs)
         return [r.handle for r in reqs], True
 
     # ---- generation ------------------------------------------------------------------------------
@@ -208,14 +207,13 @@ class Engine:
             raise InvalidRequestError("score() needs at least one continuation")
         prefix_ids = self.requests.prompt_ids(prefix, None, None) if isinstance(prefix, str) else self.requests.prompt_ids(None, prefix, None)
         pairs = [self.requests.split_continuation(prefix, prefix_ids, c) for c in continuations]
-        self.scheduler.submit(self.requests.request(prefix_ids, SamplingParams(max_new_tokens=0), stream=False))
+        head = self.requests.request(prefix_ids, SamplingParams(max_new_tokens=0), stream=False)
         reqs = [self.requests.request(full, SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=start)
                 for full, start in pairs]
         if unconditional:
             reqs += [self.requests.request(full[start:], SamplingParams(max_new_tokens=0), stream=False, input_logprob_start=1)
                      for full, start in pairs]
-        for r in reqs:
-            self.scheduler.submit(r)
+        self.scheduler.submit_all([head] + reqs)
         return [r.handle for r in reqs], pairs
 
     def _choice_scores(self, continuations, pairs: list[tuple[list[int], int]],

@@ -15,7 +15,7 @@ class Inbox:
 
     # ---- any thread -------------------------------------------------------------------------
     def post(self, kind: str, payload: Any = None) -> None:
-        """`kind`: "add" (a request), "abort" (a request id) or "wake" (nothing)."""
+        """`kind`: "add" (a list of requests), "abort" (a request id) or "wake" (nothing)."""
         self._queue.put((kind, payload))
 
     def call(self, fn: Callable[[], object], timeout: float) -> object:
@@ -40,7 +40,8 @@ class Inbox:
                 return
             first = False
             if kind == "add":
-                on_add(payload)
+                for req in payload:
+                    on_add(req)
             elif kind == "abort":
                 on_abort(payload)
             elif kind == "call":

@@ -69,14 +69,20 @@ class Scheduler:
 
     # ---- thread-safe entry points ---------------------------------------------------------
     def submit(self, req: Req) -> None:
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[Req]) -> None:
+        """Queue requests as one arrival: the scheduler sees all of them in the same step, so a
+        batch's first forward is not spent on whichever request happened to be posted first."""
         if self._stop.is_set():
             raise EngineShutdownError("the engine is shut down; create a new Engine")
-        if req.constraint is not None and self.enable_jump_forward:
-            from . import constrained  # imported by the engine already when a request has a constraint
+        for req in reqs:
+            if req.constraint is not None and self.enable_jump_forward:
+                from . import constrained  # imported by the engine already when a request has a constraint
 
-            constrained.append_forced_tokens(req)  # tokens the grammar forces up front join the prompt's prefill
-            self.output.detokenize(req)
-        self._inbox.post("add", req)
+                constrained.append_forced_tokens(req)  # tokens the grammar forces up front join the prompt's prefill
+                self.output.detokenize(req)
+        self._inbox.post("add", reqs)
 
     def set_speculative(self, enabled: bool) -> bool:
         """Turn speculative decoding on or off between steps (benchmarks and tests compare the two);

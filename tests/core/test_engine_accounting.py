@@ -193,3 +193,23 @@ def test_final_stream_chunk_usage_is_complete_when_pushed_and_never_changes(engi
     assert chunks[-1].meta == snapshot and chunk.meta == snapshot  # nothing changed it afterwards
     out = engine.generate(prompt, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
     assert out.meta is not chunk.meta
+
+
+def test_a_batch_arrives_as_one(engine, monkeypatch):
+    """generate() hands its batch to the scheduler as one arrival, so the first forward admits all
+    of it, however slowly the calling thread runs (posted one at a time, the scheduler thread could
+    start a step on the first request alone)."""
+    inbox = engine.scheduler._inbox
+    post = inbox.post
+
+    def slow_post(kind, payload=None):
+        post(kind, payload)
+        time.sleep(0.02)  # give the scheduler thread every chance to start a step in between
+
+    monkeypatch.setattr(inbox, "post", slow_post)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(12)] for _ in range(6)]  # nothing shared
+    engine.flush_cache()
+    before = engine.cache_stats().forward_steps
+    engine.generate(input_ids=prompts, params=SamplingParams(max_new_tokens=1, temperature=0))
+    assert engine.cache_stats().forward_steps - before == 1
