@@ -735,6 +735,9 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
 #endif
 
 #define ROW_CHUNK 256 /* activation rows per sweep over a thread's blocks (their digits stay in L2) */
+#ifndef UNITS_PER_PART
+#define UNITS_PER_PART 8
+#endif
 
 typedef struct {
     const rb_q4_weight *w;
@@ -743,6 +746,8 @@ typedef struct {
     float *y;
     q4_tile_hook hook; /* or NULL */
     void *hook_ctx;
+    int64_t run;       /* blocks per unit */
+    rb_units units;
 } q4_job;
 
 /* Where block b (16 outputs) of the unchained weight w keeps its codes, high bits, parameters,
@@ -781,12 +786,36 @@ void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x
     tile_out(tile, at.bias, rows, out, Q4_ROWS);
 }
 
+/* Blocks of 16 weight rows per work unit of a thread (rb_units): enough that a unit is ~0.5M
+   multiply-adds for the chunk's rows (a claim is an atomic add), so a prefill's units are single
+   blocks, but at most an eighth of a part's blocks, so that a late part's work can be shared */
+static int64_t blocks_per_unit(int64_t K, int64_t rows, int64_t blocks, int64_t parts) {
+    const int64_t chunk = rows < 1 ? 1 : rows < ROW_CHUNK ? rows : ROW_CHUNK; /* M may be 0: no units then */
+    const int64_t per_block = Q4_ROWS * (K < 32 ? 32 : K) * chunk, want = 1 << 19;
+    const int64_t run = (want + per_block - 1) / per_block, most = blocks / (UNITS_PER_PART * (parts < 1 ? 1 : parts));
+    return run < most ? run : most > 1 ? most : 1;
+}
+
+/* Row chunks x runs of `run` blocks of `blocks`, parts owning equal runs of blocks (rb_units) */
+static void block_units(rb_units *units, int64_t blocks, int64_t run, int64_t M, int64_t parts) {
+    rb_units_init(units, (blocks + run - 1) / run, (M + ROW_CHUNK - 1) / ROW_CHUNK, parts);
+}
+
+/* A unit's row chunk [*c0, *c1) and blocks [*b0, *b1) */
+static void unit_span(const rb_unit *unit, int64_t blocks, int64_t run, int64_t M, int64_t *c0, int64_t *c1,
+                      int64_t *b0, int64_t *b1) {
+    *c0 = unit->round * ROW_CHUNK, *c1 = *c0 + ROW_CHUNK < M ? *c0 + ROW_CHUNK : M;
+    *b0 = unit->group * run, *b1 = *b0 + run < blocks ? *b0 + run : blocks;
+}
+
 static void q4_part(void *ctx, int64_t part, int64_t parts) {
-    const q4_job *job = (const q4_job *)ctx;
+    (void)parts;
+    q4_job *job = (q4_job *)ctx;
     const int64_t groups = job->w->in / 32, width = q4_chain_out(job->w), blocks = width / Q4_ROWS;
-    const int64_t first = blocks * part / parts, last = blocks * (part + 1) / parts;
-    for (int64_t c0 = 0; c0 < job->M; c0 += ROW_CHUNK) {
-        const int64_t c1 = c0 + ROW_CHUNK < job->M ? c0 + ROW_CHUNK : job->M;
+    rb_unit unit;
+    while (rb_units_claim(&job->units, part, &unit)) {
+        int64_t c0, c1, first, last;
+        unit_span(&unit, blocks, job->run, job->M, &c0, &c1, &first, &last);
         int64_t base = 0; /* the chain's first block of weight w */
         for (const rb_q4_weight *w = job->w; w; base += w->out / Q4_ROWS, w = w->next) {
             const int64_t lo = first > base ? first : base, end = base + w->out / Q4_ROWS;
@@ -817,6 +846,8 @@ typedef struct {
     int64_t M, half;       /* rows; I */
     float *act;
     int64_t activation;    /* RB_SILU or RB_GELU_TANH */
+    int64_t run;           /* gate (and up) blocks per unit */
+    rb_units units;
 } glu_job;
 
 /* the weight of the chain holding its output block *block, which becomes the index within it */
@@ -826,13 +857,15 @@ static const rb_q4_weight *chain_block(const rb_q4_weight *w, int64_t *block) {
 }
 
 static void glu_part(void *ctx, int64_t part, int64_t parts) {
-    const glu_job *job = (const glu_job *)ctx;
+    (void)parts;
+    glu_job *job = (glu_job *)ctx;
     const int64_t groups = job->w->in / 32, blocks = job->half / Q4_ROWS;
-    const int64_t first = blocks * part / parts, last = blocks * (part + 1) / parts;
     void (*activate)(const float *, int64_t, int64_t, float *) =
         job->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul;
-    for (int64_t c0 = 0; c0 < job->M; c0 += ROW_CHUNK) {
-        const int64_t c1 = c0 + ROW_CHUNK < job->M ? c0 + ROW_CHUNK : job->M;
+    rb_unit unit;
+    while (rb_units_claim(&job->units, part, &unit)) {
+        int64_t c0, c1, first, last;
+        unit_span(&unit, blocks, job->run, job->M, &c0, &c1, &first, &last);
         for (int64_t j = first; j < last; j++) {
             int64_t gate_block = j, up_block = j + blocks;
             const rb_q4_weight *gate = chain_block(job->w, &gate_block), *up = chain_block(job->w, &up_block);
@@ -891,6 +924,13 @@ int rb_q4_smallest_8bit_code(void) { return SIGNED_8BIT_CODES; }
    decoder's cost model, scheduler/speculative.py) */
 int rb_q4_tile_rows(void) { return TILE; }
 
+static void q4_run(const rb_q4_weight *w, const q4_activations *x, int64_t M, float *y, int64_t threads,
+                   q4_tile_hook hook, void *hook_ctx) {
+    q4_job job = {w, x, M, y, hook, hook_ctx, blocks_per_unit(w->in, M, q4_chain_out(w) / Q4_ROWS, threads)};
+    block_units(&job.units, q4_chain_out(w) / Q4_ROWS, job.run, M, threads);
+    rb_parallel(q4_part, &job, threads);
+}
+
 void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scratch, float *y,
                int64_t threads) {
     if (w->dense) {
@@ -899,14 +939,12 @@ void q4_linear(const rb_q4_weight *w, const float *x, int64_t M, q4_activations 
     }
     scratch->offset_digits = 0;
     q4_quantize(x, M, w->in, scratch, threads);
-    q4_job job = {w, scratch, M, y, NULL, NULL};
-    rb_parallel(q4_part, &job, threads);
+    q4_run(w, scratch, M, y, threads, NULL, NULL);
 }
 
 void q4_linear_hooked(const rb_q4_weight *w, const q4_activations *x, int64_t M, float *y, int64_t threads,
                       q4_tile_hook hook, void *hook_ctx) {
-    q4_job job = {w, x, M, y, hook, hook_ctx};
-    rb_parallel(q4_part, &job, threads);
+    q4_run(w, x, M, y, threads, hook, hook_ctx);
 }
 
 /* y [M, N] = x [M, K] @ W^T (+ bias) on `threads` threads, the activations in 8 (bits = 8) or 16
@@ -936,7 +974,9 @@ int q4_glu(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scr
     if (!glu_splits(w) || (activation != RB_SILU && activation != RB_GELU_TANH)) return -3;
     scratch->offset_digits = 0;
     q4_quantize(x, M, w->in, scratch, threads);
-    glu_job job = {w, scratch, M, q4_chain_out(w) / 2, act, activation};
+    glu_job job = {w, scratch, M, q4_chain_out(w) / 2, act, activation,
+                   blocks_per_unit(w->in, M, q4_chain_out(w) / 2 / Q4_ROWS, threads)};
+    block_units(&job.units, job.half / Q4_ROWS, job.run, M, threads);
     rb_parallel(glu_part, &job, threads);
     return 0;
 }

@@ -87,6 +87,25 @@ def test_a_rows_output_does_not_depend_on_its_batch_mates(kind):
                 assert torch.equal(part, whole[start:start + count]), (ggml.type_name(kind), bits, start, count)
 
 
+@pytest.mark.parametrize("kind", [ggml.Q4_1, ggml.Q6_K], ids=ggml.type_name)
+def test_threads_share_the_work_units_of_a_matmul(kind):
+    """The threads split a matmul into units (row chunks x runs of blocks, thread_pool.h's rb_units)
+    and take each other's once theirs are done: any thread count, more than the cores included,
+    writes every output once with the bits of one thread (prefill-sized rows span two row chunks)."""
+    t = random_tensor(kind, 1024, 256, seed=3)
+    packed = q4.pack(ggml.group_codes(t))
+    want64 = gguf_reference(t).double()
+    for rows in (1, 9, 300):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        one = q4.q4_matmul(x, packed, threads=1)
+        assert relative_error(one, x.double() @ want64.T) < 1e-4
+        for threads in (2, 3, 7):
+            assert torch.equal(q4.q4_matmul(x, packed, threads=threads), one), (rows, threads)
+            glu = q4.q4_glu(x, packed, 512, "silu", threads=threads)
+            assert torch.equal(glu, q4.q4_glu(x, packed, 512, "silu", threads=1)), (rows, threads)
+    assert q4.q4_matmul(torch.zeros(0, 256), packed, threads=2).shape == (0, 1024)
+
+
 def _gate_up(kinds: tuple[int, int], half: int = 64, cols: int = 512) -> q4.PackedQ4:
     """A gate-then-up chain of two low-bit weights (the up half with a bias), each padded to whole
     16-row blocks."""
