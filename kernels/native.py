@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from . import cpu_isa, settings
-from . import shared_prefix as sp
 from .user_cache import CACHE_ENV, cache_dir
 
 logger = logging.getLogger(__name__)
@@ -326,17 +325,12 @@ class KeySharing:
         """Chunks of the requests whose keys kv_indices[starts[b]:][:lens[b]] begin with at least
         one whole block of the same slots (requests continuing one radix node), every other request
         alone; None when no two requests share a block."""
-        groups, _ = sp.find_shared_prefixes(kv_indices, starts, [n - 1 for n in lens], SHARED_BLOCK_KEYS)
-        grouped: set[int] = set()
-        chunks: list[tuple[list[int], int]] = []
-        for group in groups:
-            members = group.members.tolist()
-            shared = group.length // SHARED_BLOCK_KEYS * SHARED_BLOCK_KEYS
-            grouped.update(members)
-            chunks += [(members[i:i + max_members], shared) for i in range(0, len(members), max_members)]
-        if not chunks:
+        slots = kv_indices.cpu()
+        ends = [slots[start + SHARED_BLOCK_KEYS - 1:start + n - 1:SHARED_BLOCK_KEYS].tolist() for start, n in zip(starts, lens)]
+        chunks = _block_chunks(list(range(len(lens))), 0, ends, lens, max_members)[1]
+        if all(len(members) == 1 for members, _ in chunks):
             return None
-        return cls(chunks + [([b], 0) for b in range(len(lens)) if b not in grouped])
+        return cls(chunks)
 
     def check(self, lens: torch.Tensor) -> None:
         """The C code trusts the chunks: every row exactly once, each shared prefix inside every member's keys."""
@@ -351,6 +345,46 @@ class KeySharing:
         if bool((self.shared.repeat_interleave(counts) >= lens[self.order]).any()):
             raise ValueError("a shared prefix is not shorter than every member's keys")
         self._checked = lens
+
+
+def _block_chunks(members: list[int], depth: int, ends: list[list[int]], lens: list[int],
+                  max_members: int) -> tuple[int, list[tuple[list[int], int]]]:
+    """The cheapest split into chunks (keys loaded, shared ones once a chunk) of `members`, which
+    share their first `depth` whole blocks; ends[b][k] is the slot that ends request b's block k.
+
+    A slot holds one token's K/V after one prefix, so two requests with the same slot at a position
+    have the same slots before it: equal block ends mean equal blocks, and the requests form a trie
+    over their block ends. At each node the members either read its `depth` blocks together (one
+    chunk, several of at most `max_members`) or split by their next block, whichever loads fewer
+    keys: a batch's branches of one transcript share it even where every request of the batch also
+    begins with the same short system prompt."""
+    if len(members) == 1:
+        return lens[members[0]], [(members, 0)]
+    first, common = ends[members[0]], len(ends[members[0]])
+    for b in members[1:]:  # the blocks all of them share: no split before their end
+        e, d = ends[b], depth
+        while d < common and d < len(e) and e[d] == first[d]:
+            d += 1
+        common = d
+    if common > depth:
+        return _block_chunks(members, common, ends, lens, max_members)
+    shared = depth * SHARED_BLOCK_KEYS
+    together = -(-len(members) // max_members) * shared + sum(lens[b] - shared for b in members)
+    children: dict[int, list[int]] = {}
+    alone = []
+    for b in members:
+        if len(ends[b]) > depth:
+            children.setdefault(ends[b][depth], []).append(b)
+        else:
+            alone.append(b)
+    cost, chunks = sum(lens[b] for b in alone), [([b], 0) for b in alone]
+    for group in children.values():
+        group_cost, group_chunks = _block_chunks(group, depth + 1, ends, lens, max_members)
+        cost += group_cost
+        chunks += group_chunks
+    if depth and together <= cost:
+        return together, [(members[i:i + max_members], shared) for i in range(0, len(members), max_members)]
+    return cost, chunks
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,

@@ -943,9 +943,10 @@ static inline __attribute__((always_inline)) void decode_values_bf16(const uint3
 /* Member m's G query heads over the loaded block j0 (n keys; its values read through `slots`, or
    with bf16 products from the block's pairs, where the probabilities of keys past n, lanes that
    repeat key n - 1, are zero as a masked key's are in the tiles). One compiled body for every
-   caller (noinline): a copy specialised for a constant n == BLOCK_KEYS fused other multiplies and
-   adds (the rescaled sum) and changed bits. */
-static __attribute__((noinline)) void member_block(const extend_job *a, const decode_scratch *t, int64_t m,
+   caller (noinline, and noclone: GCC clones a function for a caller's constant argument even when
+   it may not inline it): a copy specialised for a constant n == BLOCK_KEYS fused other multiplies
+   and adds (the rescaled sum) and changed bits. */
+static __attribute__((noinline, noclone)) void member_block(const extend_job *a, const decode_scratch *t, int64_t m,
                                                   const int64_t *slots, int64_t h, int64_t j0, int64_t n,
                                                   const upcoming_keys *up) {
     const int64_t G = a->group, D = a->dim, row = a->hkv * D, nv = (n + VEC - 1) / VEC, pairs = (n + 1) / 2;
@@ -1020,16 +1021,31 @@ static void shared_blocks_as_tile(const extend_job *a, const decode_scratch *t, 
     }
 }
 
+/* The chunk's shared whole blocks read once for members too few to fill a tile's lanes: each block
+   is loaded (its keys transposed, its values paired) once, then every member takes it as it would
+   alone, in the same order: a branch's few requests over their common transcript transposed its
+   keys once per request before. */
+static void shared_blocks_by_member(const extend_job *a, const decode_scratch *t, const int64_t *members,
+                                    int64_t count, int64_t h, const int64_t *slots, int64_t together) {
+    for (int64_t j0 = 0; j0 < together; j0 += BLOCK_KEYS) {
+        const upcoming_keys up = request_keys_from(a, members[0], j0 + BLOCK_KEYS, h);
+        load_block(a, t, slots, h, j0, BLOCK_KEYS);
+        for (int64_t m = 0; m < count; m++) member_block(a, t, m, slots, h, j0, BLOCK_KEYS, m == 0 ? &up : NULL);
+    }
+}
+
 /* Kv head h of a chunk of `count` requests whose first `shared` keys (whole blocks, when count > 1)
-   are the same slots: those blocks once for all members as a tile, then each member over its own
-   blocks. Every member's arithmetic is what it would do alone (the same block grid, the same sums
-   in the same order), so sharing changes no bit. */
+   are the same slots: those blocks once for all members (as one tile's rows where they fill its
+   lanes, `tile`), then each member over its own blocks. Every member's arithmetic is what it would
+   do alone (the same block grid, the same sums in the same order), so sharing changes no bit. */
 static void decode_chunk(const extend_job *a, const decode_scratch *t, const tile_scratch *tt,
-                         const int64_t *members, int64_t count, int64_t shared, int64_t h, upcoming_keys after) {
+                         const int64_t *members, int64_t count, int64_t shared, int tile, int64_t h,
+                         upcoming_keys after) {
     const int64_t together = count > 1 ? shared / BLOCK_KEYS * BLOCK_KEYS : 0;
+    const int64_t *shared_slots = a->kv_indices + a->kv_starts[members[0]];
     for (int64_t m = 0; m < count; m++) member_begin(a, t, m, members[m], h);
-    if (together)
-        shared_blocks_as_tile(a, t, tt, members, count, h, a->kv_indices + a->kv_starts[members[0]], together);
+    if (together && tile) shared_blocks_as_tile(a, t, tt, members, count, h, shared_slots, together);
+    else if (together) shared_blocks_by_member(a, t, members, count, h, shared_slots, together);
     for (int64_t m = 0; m < count; m++) {
         const int64_t b = members[m], L = a->kv_lens[b];
         const int64_t *slots = a->kv_indices + a->kv_starts[b];
@@ -1045,17 +1061,18 @@ static void decode_chunk(const extend_job *a, const decode_scratch *t, const til
     }
 }
 
-/* Chunks of fewer rows than this (members x query heads per kv head) are attended one request at a
-   time: a tile of a partly empty vector of lanes did not pay for its setup, and a chunk is one task
-   per kv head, so a small one left the threads unevenly loaded (a request's 2-5 draft rows of the
-   embedded model, 3 query heads per kv head: 1.1-1.3x a decode step's time with them shared). */
+/* Chunks of fewer rows than this (members x query heads per kv head) read their shared blocks member
+   by member (shared_blocks_by_member): a tile of a partly empty vector of lanes did not pay for its
+   setup (a request's 2-5 draft rows of the embedded model, 3 query heads per kv head: 1.1-1.3x a
+   decode step's time as a tile). */
 #define SHARED_TILE_MIN_ROWS VEC
 
 /* One task's requests: `count` members from members[0] that read their first `shared` keys once
-   (count 1: a request alone) */
+   (count 1: a request alone), as a tile's rows or member by member */
 typedef struct {
     const int64_t *members;
     int64_t count, shared;
+    int tile;
 } decode_unit;
 
 typedef struct {
@@ -1093,7 +1110,7 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
         for (int64_t task = atomic_fetch_add(&a->next, 1), following; task < a->tasks; task = following) {
             following = atomic_fetch_add(&a->next, 1);
             const decode_unit *u = dj->units + task / a->hkv;
-            decode_chunk(a, &t, &tt, u->members, u->count, u->shared, task % a->hkv, first_keys(dj, following));
+            decode_chunk(a, &t, &tt, u->members, u->count, u->shared, u->tile, task % a->hkv, first_keys(dj, following));
         }
     } else {
         a->failed = 1;
@@ -1129,11 +1146,11 @@ int rb_decode_attention_invariant(const float *q, const float *k_cache, const fl
     for (int64_t c = 0; c < (sharing ? sharing->chunks : batch); c++) {
         const int64_t first = sharing ? sharing->bounds[c] : c, count = sharing ? sharing->bounds[c + 1] - first : 1;
         const int64_t *members = sharing ? sharing->order + first : alone + c;
-        if (count > 1 && count * group >= SHARED_TILE_MIN_ROWS && sharing->shared[c] >= BLOCK_KEYS) {
-            units[n_units++] = (decode_unit){members, count, sharing->shared[c]};
+        if (count > 1 && sharing->shared[c] >= BLOCK_KEYS) {
+            units[n_units++] = (decode_unit){members, count, sharing->shared[c], count * group >= SHARED_TILE_MIN_ROWS};
             widest = count > widest ? count : widest;
         } else {
-            for (int64_t m = 0; m < count; m++) units[n_units++] = (decode_unit){alone + members[m], 1, 0};
+            for (int64_t m = 0; m < count; m++) units[n_units++] = (decode_unit){alone + members[m], 1, 0, 0};
         }
     }
     extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
