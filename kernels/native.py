@@ -307,9 +307,9 @@ class KeySharing:
     """Decode rows in chunks whose requests begin with the same pool slots (`rb_key_sharing`): the
     invariant decode kernel loads and transposes those keys once per chunk instead of once per
     request. Built from the step's own slot table by `KeySharing.find`; changes no bit of any row.
-    The kernel attends a chunk of fewer rows than one vector's lanes (members x query heads per kv
-    head; e.g. one request's few draft rows) request by request: there, sharing cost more than it
-    saved."""
+    A chunk of at least one vector's lanes of rows (members x query heads per kv head) reads its
+    shared blocks as one tile's rows; a smaller one (a transcript's few branches, one request's draft
+    rows) loads each shared block once and its members take it in turn."""
 
     def __init__(self, chunks: list[tuple[list[int], int]]) -> None:
         self.order = torch.tensor([b for members, _ in chunks for b in members], dtype=torch.int64)
@@ -323,8 +323,9 @@ class KeySharing:
     def find(cls, kv_indices: torch.Tensor, starts: list[int], lens: list[int],
              max_members: int = MAX_SHARING_MEMBERS) -> KeySharing | None:
         """Chunks of the requests whose keys kv_indices[starts[b]:][:lens[b]] begin with at least
-        one whole block of the same slots (requests continuing one radix node), every other request
-        alone; None when no two requests share a block."""
+        one whole block of the same slots (requests continuing one radix node; `_block_chunks`
+        picks the depth each group shares), every other request alone; None when no two requests
+        share a block."""
         slots = kv_indices.cpu()
         ends = [slots[start + SHARED_BLOCK_KEYS - 1:start + n - 1:SHARED_BLOCK_KEYS].tolist() for start, n in zip(starts, lens)]
         chunks = _block_chunks(list(range(len(lens))), 0, ends, lens, max_members)[1]

@@ -735,9 +735,7 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
 #endif
 
 #define ROW_CHUNK 256 /* activation rows per sweep over a thread's blocks (their digits stay in L2) */
-#ifndef UNITS_PER_PART
-#define UNITS_PER_PART 8
-#endif
+#define UNITS_PER_PART 8 /* the fewest units a part owns (fewer blocks per unit than want) */
 
 typedef struct {
     const rb_q4_weight *w;
@@ -788,7 +786,7 @@ void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x
 
 /* Blocks of 16 weight rows per work unit of a thread (rb_units): enough that a unit is ~0.5M
    multiply-adds for the chunk's rows (a claim is an atomic add), so a prefill's units are single
-   blocks, but at most an eighth of a part's blocks, so that a late part's work can be shared */
+   blocks, but at most 1 / UNITS_PER_PART of a part's blocks, so that a late part's work can be shared */
 static int64_t blocks_per_unit(int64_t K, int64_t rows, int64_t blocks, int64_t parts) {
     const int64_t chunk = rows < 1 ? 1 : rows < ROW_CHUNK ? rows : ROW_CHUNK; /* M may be 0: no units then */
     const int64_t per_block = Q4_ROWS * (K < 32 ? 32 : K) * chunk, want = 1 << 19;
