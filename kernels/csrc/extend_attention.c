@@ -1079,6 +1079,7 @@ typedef struct {
     extend_job *job;
     const decode_unit *units; /* task t is unit t / hkv, kv head t % hkv */
     int64_t widest;           /* members of the largest unit */
+    int64_t widest_tile;      /* members of the largest unit read as a tile (0: none) */
 } decode_job;
 
 /* the first keys a task reads on its own (after any shared tile), or none past the last task */
@@ -1103,9 +1104,9 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
         t.vpw = aligned_floats(BF16_PAIRS * D), t.pw = aligned_floats(G * BF16_PAIRS),
         t.rows16 = a->bf16 == KV16 ? NULL : aligned_floats(VEC * D / 2);
     tile_scratch tt; /* shared blocks, the members' heads as a tile's rows */
-    const int tiled = M > 1 && tile_scratch_alloc(&tt, tile_rows(M, G), D, a->bf16) == 0;
+    const int tiled = dj->widest_tile && tile_scratch_alloc(&tt, tile_rows(dj->widest_tile, G), D, a->bf16) == 0;
     if (t.qs && t.kt && t.s && t.o && t.max && t.sum && (!a->bf16 || (t.qw && t.ktw && t.vpw && t.pw && (t.rows16 || a->bf16 == KV16)))
-        && (tiled || M == 1)) {
+        && (tiled || !dj->widest_tile)) {
         /* each thread claims its next task before it works on this one, to fetch its first keys */
         for (int64_t task = atomic_fetch_add(&a->next, 1), following; task < a->tasks; task = following) {
             following = atomic_fetch_add(&a->next, 1);
@@ -1141,21 +1142,23 @@ int rb_decode_attention_invariant(const float *q, const float *k_cache, const fl
         free(units), free(alone);
         return -1;
     }
-    int64_t n_units = 0, widest = 1; /* members of the largest unit: the scratch holds that many requests' state */
+    int64_t n_units = 0, widest = 1, widest_tile = 0; /* the scratch holds that many requests' state, the tile's rows */
     for (int64_t b = 0; b < batch; b++) alone[b] = b;
     for (int64_t c = 0; c < (sharing ? sharing->chunks : batch); c++) {
         const int64_t first = sharing ? sharing->bounds[c] : c, count = sharing ? sharing->bounds[c + 1] - first : 1;
         const int64_t *members = sharing ? sharing->order + first : alone + c;
         if (count > 1 && sharing->shared[c] >= BLOCK_KEYS) {
-            units[n_units++] = (decode_unit){members, count, sharing->shared[c], count * group >= SHARED_TILE_MIN_ROWS};
+            const int tile = count * group >= SHARED_TILE_MIN_ROWS;
+            units[n_units++] = (decode_unit){members, count, sharing->shared[c], tile};
             widest = count > widest ? count : widest;
+            widest_tile = tile && count > widest_tile ? count : widest_tile;
         } else {
             for (int64_t m = 0; m < count; m++) units[n_units++] = (decode_unit){alone + members[m], 1, 0, 0};
         }
     }
     extend_job job = {q, k_cache, v_cache, kv_indices, NULL, NULL, starts, lens, batch, hkv, group,
                       dim, 1, n_units * hkv, 0, 0, scale, softcap, out, lse, (int)bf16, NULL, 0, 0};
-    decode_job dj = {&job, units, widest};
+    decode_job dj = {&job, units, widest, widest_tile};
     if (threads > job.tasks) threads = job.tasks;
     rb_parallel(decode_part, &dj, threads < 1 ? 1 : threads);
     free(units), free(alone);

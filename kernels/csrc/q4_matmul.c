@@ -794,9 +794,12 @@ static int64_t blocks_per_unit(int64_t K, int64_t rows, int64_t blocks, int64_t 
     return run < most ? run : most > 1 ? most : 1;
 }
 
-/* Row chunks x runs of `run` blocks of `blocks`, parts owning equal runs of blocks (rb_units) */
-static void block_units(rb_units *units, int64_t blocks, int64_t run, int64_t M, int64_t parts) {
+/* A job's units over M rows of K inputs and `blocks` output blocks: row chunks x runs of
+   blocks_per_unit blocks, parts owning equal runs of blocks (rb_units). Returns the run. */
+static int64_t plan_units(rb_units *units, int64_t K, int64_t M, int64_t blocks, int64_t parts) {
+    const int64_t run = blocks_per_unit(K, M, blocks, parts);
     rb_units_init(units, (blocks + run - 1) / run, (M + ROW_CHUNK - 1) / ROW_CHUNK, parts);
+    return run;
 }
 
 /* A unit's row chunk [*c0, *c1) and blocks [*b0, *b1) */
@@ -924,8 +927,8 @@ int rb_q4_tile_rows(void) { return TILE; }
 
 static void q4_run(const rb_q4_weight *w, const q4_activations *x, int64_t M, float *y, int64_t threads,
                    q4_tile_hook hook, void *hook_ctx) {
-    q4_job job = {w, x, M, y, hook, hook_ctx, blocks_per_unit(w->in, M, q4_chain_out(w) / Q4_ROWS, threads)};
-    block_units(&job.units, q4_chain_out(w) / Q4_ROWS, job.run, M, threads);
+    q4_job job = {.w = w, .x = x, .M = M, .y = y, .hook = hook, .hook_ctx = hook_ctx};
+    job.run = plan_units(&job.units, w->in, M, q4_chain_out(w) / Q4_ROWS, threads);
     rb_parallel(q4_part, &job, threads);
 }
 
@@ -972,9 +975,8 @@ int q4_glu(const rb_q4_weight *w, const float *x, int64_t M, q4_activations *scr
     if (!glu_splits(w) || (activation != RB_SILU && activation != RB_GELU_TANH)) return -3;
     scratch->offset_digits = 0;
     q4_quantize(x, M, w->in, scratch, threads);
-    glu_job job = {w, scratch, M, q4_chain_out(w) / 2, act, activation,
-                   blocks_per_unit(w->in, M, q4_chain_out(w) / 2 / Q4_ROWS, threads)};
-    block_units(&job.units, job.half / Q4_ROWS, job.run, M, threads);
+    glu_job job = {.w = w, .x = scratch, .M = M, .half = q4_chain_out(w) / 2, .act = act, .activation = activation};
+    job.run = plan_units(&job.units, w->in, M, job.half / Q4_ROWS, threads);
     rb_parallel(glu_part, &job, threads);
     return 0;
 }
