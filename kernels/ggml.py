@@ -236,5 +236,12 @@ def dequantize(t: RawTensor, rows: slice | np.ndarray | None = None) -> torch.Te
             return torch.from_numpy((values.astype(np.uint32) << 16).view(np.float32))
         return torch.from_numpy(values.astype(np.float32))
     if kind == Q8_0:
-        return q8_codes(t, rows).dequantize()
+        return _q8_0_values(t.blocks(rows))
     return group_codes(t, rows).dequantize()
+
+
+def _q8_0_values(b: np.ndarray) -> torch.Tensor:
+    """Q8_0 blocks [n, nb, 34] as fp32 [n, nb * 32]: code * fp16 scale, gguf's arithmetic, straight
+    from the blocks (an embedding lookup per decode step: ~2x faster than through `q8_codes`)."""
+    scales = np.ascontiguousarray(b[..., :2]).view(np.float16).astype(np.float32)
+    return torch.from_numpy((b[..., 2:].view(np.int8).astype(np.float32) * scales).reshape(b.shape[0], -1))
