@@ -48,7 +48,7 @@ static inline float lanes_sum(v16 v) {
 /* lanes_sum of 16 vectors at once, out[t] = lanes_sum(v[t]) bit for bit: each stage adds the same
    lane pairs as lanes_sum, for two vectors per add (their halves, then quarters, eighths and the
    last pair side by side), so 16 sums take 15 adds and 30 shuffles instead of ~8 scalar operations
-   each, which a tile's K = 576 took ~15 % of its time for */
+   each (a 1,024-row matmul of the embedded model's shapes, K = 576 and 1,536: 1.03-1.04x, Zen 4) */
 static inline void lanes_sums16(v16 v[16], float out[16]) {
     for (int t = 0; t < 8; t++) /* lanes 0..7: v[2t]'s halves summed, 8..15: v[2t + 1]'s */
         v[t] = __builtin_shufflevector(v[2 * t], v[2 * t + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -122,7 +122,8 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
 
 static void full_tile(const float *const *x, const float *const *w, int64_t K, const float *next, float out[X_ROWS][W_ROWS]) {
     if (next) dot_tile(x, X_ROWS, w, W_ROWS, K, next, out);
-    else dot_tile(x, X_ROWS, w, W_ROWS, K, NULL, out); /* no fetch test in the loop of every later pass */
+    else dot_tile(x, X_ROWS, w, W_ROWS, K, NULL, out); /* no fetch test in the loop of every later pass:
+                                                          with the sums above 1.07-1.10x at 8-1,024 rows */
 }
 
 /* an edge tile: one compiled body per row count, the weight rows padded by repeating the last */
