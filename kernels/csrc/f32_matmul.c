@@ -64,16 +64,16 @@ static inline void lanes_sums16(v16 v[16], float out[16]) {
     memcpy(out, &sums, sizeof sums);
 }
 
-/* lanes_sum of every accumulator of a full tile (X_ROWS x W_ROWS, padded to a multiple of 16) */
-static inline void tile_sums(v16 acc[X_ROWS][W_ROWS], float sums[X_ROWS * W_ROWS]) {
-    enum { N = X_ROWS * W_ROWS, PADDED = (N + 15) / 16 * 16 };
-    float all[PADDED];
-    for (int t0 = 0; t0 < N; t0 += 16) {
+#define TILE_SUMS ((X_ROWS * W_ROWS + 15) / 16 * 16) /* a full tile's sums, padded to whole vectors */
+
+/* sums[i * W_ROWS + j] = lanes_sum(acc[i][j]) for a full tile (the padding's sums are zeros) */
+static inline void tile_sums(v16 acc[X_ROWS][W_ROWS], float sums[TILE_SUMS]) {
+    for (int t0 = 0; t0 < X_ROWS * W_ROWS; t0 += 16) {
         v16 v[16];
-        for (int t = 0; t < 16; t++) v[t] = t0 + t < N ? acc[(t0 + t) / W_ROWS][(t0 + t) % W_ROWS] : (v16){0};
-        lanes_sums16(v, all + t0);
+        for (int t = 0; t < 16; t++)
+            v[t] = t0 + t < X_ROWS * W_ROWS ? acc[(t0 + t) / W_ROWS][(t0 + t) % W_ROWS] : (v16){0};
+        lanes_sums16(v, sums + t0);
     }
-    memcpy(sums, all, sizeof(float) * N);
 }
 #endif
 
@@ -105,16 +105,16 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
         }
     }
 #if defined(__AVX512F__)
-    float sums[X_ROWS * W_ROWS];
-    if (xr == X_ROWS && wr == W_ROWS) tile_sums(acc, sums);
+    const int summed = xr == X_ROWS && wr == W_ROWS; /* a full tile's sums taken together */
+    float sums[TILE_SUMS];
+    if (summed) tile_sums(acc, sums);
+#else
+    const int summed = 0;
+    const float *sums = NULL;
 #endif
     for (int i = 0; i < xr; i++)
         for (int j = 0; j < wr; j++) {
-#if defined(__AVX512F__)
-            float s = xr == X_ROWS && wr == W_ROWS ? sums[i * W_ROWS + j] : lanes_sum(acc[i][j]);
-#else
-            float s = lanes_sum(acc[i][j]);
-#endif
+            float s = summed ? sums[i * W_ROWS + j] : lanes_sum(acc[i][j]);
             for (int64_t t = k; t < K; t++) s += x[i][t] * w[j][t];
             out[i][j] = s;
         }
