@@ -219,18 +219,25 @@ ROUNDING_MARGIN = 1.0 - 1e-9
 
 def plan_drafts(rates: list[float], lengths: list[int], rows: int, tokens: float, cost: StepCost) -> list[int]:
     """How many draft tokens each request gets. Request i may take up to `lengths[i]` tokens, its
-    j-th accepted with probability rates[i]**j; the step already has `rows` rows that produce
-    `tokens` tokens. The batch's draft tokens are ranked, most likely first (each request's in its
-    own order), and the step takes the leading run of them that maximises expected tokens per unit
-    of `cost` (the whole run is weighed, not one row at a time: a row that opens a new tile can pay
-    off only together with the rows that fill it).
+    j-th accepted with probability rates[i]**j; the step already has `rows` rows, of which the
+    `tokens` decode rows give a token each (the rest are prompt rows, computed whatever happens).
+    The batch's draft tokens are ranked, most likely first (each request's in its own order), and
+    the step takes the leading run of them that maximises expected tokens per unit of decoding
+    cost: the decode rows' own `cost(tokens)` plus what the run adds to this step,
+    `cost(rows + n) - cost(rows)` (the whole run is weighed, not one row at a time: a row that
+    opens a new tile can pay off only together with the rows that fill it). Prompt rows are left
+    out of the yardstick: against a 2,000-row prefill chunk's cost a few decode rows' tokens are
+    worth next to nothing, so any draft seemed to pay there (the branching benchmark, whose chat
+    answers start while other prompts are still computed, drafted 73 tokens of which 22 were
+    accepted; weighed this way, 18 of which 15).
 
     Only tokens that could still raise the best value are ranked: every further token adds at most
     its own likelihood p and at least `cost.per_row`, so once p <= best * per_row no longer run can
-    beat the best (a mediant bound), and a token below tokens / cost(rows) * per_row is never reached.
-    Plain Python on those few tokens: the step's first numpy call, after a forward has swept the
-    caches, took ~0.1 ms, more than the whole plan."""
-    best = tokens / cost(rows)
+    beat the best (a mediant bound), and a token below tokens / cost(tokens) * per_row is never
+    reached. Plain Python on those few tokens: the step's first numpy call, after a forward has
+    swept the caches, took ~0.1 ms, more than the whole plan."""
+    base, step = cost(tokens), cost(rows)
+    best = tokens / base
     floor = best * cost.per_row * ROUNDING_MARGIN
     ranked: list[tuple[float, int]] = []
     for i, (rate, n) in enumerate(zip(rates, lengths)):
@@ -245,7 +252,7 @@ def plan_drafts(rates: list[float], lengths: list[int], rows: int, tokens: float
         if p <= best * cost.per_row * ROUNDING_MARGIN:
             break
         gained += p
-        value = (tokens + gained) / cost(rows + n)
+        value = (tokens + gained) / (base + cost(rows + n) - step)
         if value > best:
             best_n, best = n, value
     counts = [0] * len(rates)

@@ -169,11 +169,12 @@ def test_plan_drafts_takes_the_best_leading_run_of_the_ranked_tokens() -> None:
     def by_definition(rates, lengths, rows, tokens, cost):
         ranked = sorted(((a ** j, i) for i, (a, n) in enumerate(zip(rates, lengths)) for j in range(1, n + 1)),
                         key=lambda pi: -pi[0])
-        best_n, best, gained = 0, tokens / cost(rows), 0.0
+        best_n, best, gained = 0, tokens / cost(tokens), 0.0
         for n, (p, _) in enumerate(ranked, 1):
             gained += p
-            if (tokens + gained) / cost(rows + n) > best:
-                best_n, best = n, (tokens + gained) / cost(rows + n)
+            value = (tokens + gained) / (cost(tokens) + cost(rows + n) - cost(rows))
+            if value > best:
+                best_n, best = n, value
         return [sum(1 for _, i in ranked[:best_n] if i == r) for r in range(len(rates))]
 
     rng = random.Random(0)
@@ -185,6 +186,22 @@ def test_plan_drafts_takes_the_best_leading_run_of_the_ranked_tokens() -> None:
         rows = rng.randint(1, 40)
         args = (rates, lengths, rows, rng.randint(1, rows), rng.choice(costs))
         assert plan_drafts(*args) == by_definition(*args), args
+
+
+def test_prompt_rows_do_not_make_drafts_pay() -> None:
+    """A step that also computes a prompt chunk weighs drafts against decoding alone: the chunk's
+    rows are computed whatever happens, so they neither dilute the decode rows' yardstick (against
+    a 2,048-row step's cost any draft seemed to pay) nor change what a draft costs beyond its own
+    rows (a chunk of whole tiles leaves the plan as it is without the chunk)."""
+    cpu = cpu_step_cost(8)
+    for rates in ([0.5] * 9, [0.3], [0.9] * 8, [0.95, 0.2, 0.7]):
+        lengths = [8] * len(rates)
+        alone = plan_drafts(rates, lengths, rows=len(rates), tokens=len(rates), cost=cpu)
+        assert plan_drafts(rates, lengths, rows=len(rates) + 2048, tokens=len(rates), cost=cpu) == alone
+    assert plan_drafts([0.5] * 9, [8] * 9, rows=9 + 2048, tokens=9, cost=cpu) == [0] * 9
+    # the old yardstick, 9 tokens over the whole 2,057-row step, took drafts no decode step would
+    step = cpu(9 + 2048)
+    assert (9 + 0.5) / (step + cpu.per_row) > 9 / step
 
 
 def test_drafts_are_not_looked_up_where_none_could_pay() -> None:
