@@ -7,7 +7,8 @@
    Each int32 lane is one output row (16 rows per 512-bit vector), so a group costs 8 integer
    instructions per activation row and plane, and the float work (convert, two multiply-adds) is
    paid once per 32 products per lane. A block's codes are unpacked once per group for a tile of
-   activation rows; a thread owns a range of blocks and sweeps them for a chunk of rows at a time,
+   activation rows (or, for formats with more to put together, once for a chunk's tiles:
+   keeps_codes); a thread owns a range of blocks and sweeps them for a chunk of rows at a time,
    so the chunk's activations stay in L2 (a tile's rows side by side: q4.h). */
 #include "cpu_kernels.h"
 #include "q4.h"
@@ -292,6 +293,10 @@ void q4_quantize(const float *x, int64_t M, int64_t K, q4_activations *out, int6
 }
 
 #define TILE 8 /* activation rows per pass over a block's codes */
+/* How a tile gets a block's quads (see keeps_codes): UNPACK them from the codes, UNPACK_AND_KEEP
+   them (unpack, and store them for the chunk's next tiles) or REUSE the kept ones */
+enum { UNPACK = 0, UNPACK_AND_KEEP = 1, REUSE = 2 };
+#define KEPT_GROUP_BYTES (8 * 64) /* a group's 8 quads */
 #define PLAIN_GROUP_PARAM_BYTES (2 * Q4_ROWS * (int64_t)sizeof(_Float16)) /* plain Q4_1: a group's fp16 scales and minimums */
 
 /* Group g's lines of the next block of 16 weight rows (its codes, high bits and parameters), asked
@@ -363,20 +368,33 @@ static inline __attribute__((always_inline)) void load_quads(const uint8_t *grou
     }
 }
 
+#define HAVE_KEPT_CODES 1
+
+static inline __attribute__((always_inline)) void keep_quads(uint8_t *kept, int64_t g, const __m512i quad[8]) {
+    for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(kept + g * KEPT_GROUP_BYTES + j * 64), quad[j]);
+}
+
+static inline __attribute__((always_inline)) void kept_quads(const uint8_t *kept, int64_t g, __m512i quad[8]) {
+    for (int j = 0; j < 8; j++) quad[j] = _mm512_load_si512((const void *)(kept + g * KEPT_GROUP_BYTES + j * 64));
+}
+
 /* out[i * 16 + r]: the 16 rows of one block for activation rows row0 .. row0 + R - 1 (R and P are
    constants after inlining, so the accumulators stay in registers) */
 static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
-                                                          float *out, const int R, const int P) {
+                                                          float *out, const int R, const int P,
+                                                          uint8_t *kept, const int use) {
     const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        fetch_next_block(codes, NULL, 0, (const uint8_t *)params, PLAIN_GROUP_PARAM_BYTES, groups, g);
+        if (use != REUSE) fetch_next_block(codes, NULL, 0, (const uint8_t *)params, PLAIN_GROUP_PARAM_BYTES, groups, g);
         const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS)));
         const __m512 minimums = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS + Q4_ROWS)));
         __m512i quad[8];
-        load_quads(codes + g * 4 * 64, quad);
+        if (use == REUSE) kept_quads(kept, g, quad);
+        else load_quads(codes + g * 4 * 64, quad);
+        if (use == UNPACK_AND_KEEP) keep_quads(kept, g, quad);
         __m512i dots[TILE];
         const int64_t at0 = first_at + g * T; /* row0 + i: at0 + i */
         if (R >= TILE_DOTS_ROWS) {
@@ -419,6 +437,25 @@ static inline __m512 load_params16(const uint8_t *p, int kind) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
+/* group g's codes as the tiles multiply them: 8 quads of whole codes, the high bits (hb of them:
+   5-, 6- and 8-bit codes) put above the nibbles */
+static inline __attribute__((always_inline)) void unpack_group(const uint8_t *codes, const uint8_t *high, int hb,
+                                                               int64_t g, __m512i quad[8]) {
+    if (hb == 4) {
+        load_quads8(codes + g * 4 * 64, high + g * 4 * 64, quad);
+        return;
+    }
+    load_quads(codes + g * 4 * 64, quad);
+    const __m512i hmask = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
+    for (int j = 0; j < 8 && hb; j++) {
+        const int bit = j * hb, s = bit % 8;
+        const __m512i h = _mm512_loadu_si512((const void *)(high + (g * hb + bit / 8) * 64));
+        const __m512i t = s <= 4 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - s))
+                                 : _mm512_srl_epi16(h, _mm_cvtsi32_si128(s - 4));
+        quad[j] = _mm512_ternarylogic_epi32(quad[j], t, hmask, 0xF8); /* quad | (t & hmask) */
+    }
+}
+
 /* any format of q4.h (high bits, fp32 parameters, code offset, a scale per 16): the codes of quad
    j for the block's 16 rows are put together in quad[j]; features 0..15 and 16..31 keep their
    own dot products for the per-16 scales */
@@ -426,16 +463,16 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           const uint8_t *high, const uint8_t *params,
                                                           const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
-                                                          float *out, const int R, const int P, const int layout) {
+                                                          float *out, const int R, const int P, const int layout,
+                                                          uint8_t *kept, const int use) {
     const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     const int hb = w->high_bits, kind = w->params_kind;
     const int64_t stride = q4_param_stride(w), half = Q4_ROWS * q4_param_bytes(w);
     const __m512 negoff = _mm512_set1_ps(-w->offset);
-    const __m512i hmask = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        fetch_next_block(codes, high, hb, params, stride, groups, g);
+        if (use != REUSE) fetch_next_block(codes, high, hb, params, stride, groups, g);
         __m512 first = load_params16(params + g * stride, kind);
         __m512 second = layout == Q4_SCALE_OFFSET ? first : load_params16(params + g * stride + half, kind);
         if (kind == Q4_PARAMS_K) { /* sub-block integers times their super-block's factors */
@@ -447,18 +484,9 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
         const __m512 min_a = layout == Q4_SCALE_MIN ? second : _mm512_mul_ps(first, negoff);
         const __m512 min_b = _mm512_mul_ps(scale_b, negoff);
         __m512i quad[8];
-        if (hb == 4) {
-            load_quads8(codes + g * 4 * 64, high + g * 4 * 64, quad);
-        } else {
-            load_quads(codes + g * 4 * 64, quad);
-            for (int j = 0; j < 8 && hb; j++) {
-                const int bit = j * hb, s = bit % 8;
-                const __m512i h = _mm512_loadu_si512((const void *)(high + (g * hb + bit / 8) * 64));
-                const __m512i t = s <= 4 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - s))
-                                         : _mm512_srl_epi16(h, _mm_cvtsi32_si128(s - 4));
-                quad[j] = _mm512_ternarylogic_epi32(quad[j], t, hmask, 0xF8); /* quad | (t & hmask) */
-            }
-        }
+        if (use == REUSE) kept_quads(kept, g, quad);
+        else unpack_group(codes, high, hb, g, quad);
+        if (use == UNPACK_AND_KEEP) keep_quads(kept, g, quad);
         /* unrolled, so acc[i] stays in a register (the rows' loops below too): GCC left this body
            rolled, with each row's accumulator loaded and stored per group (0.54B file's Q6_K
            down projection at 512 rows: 1.07x faster unrolled, Zen 5) */
@@ -662,22 +690,30 @@ static inline int q4_plain(const rb_q4_weight *w) {
 }
 
 #ifdef HAVE_Q4_TILE
+#ifdef HAVE_KEPT_CODES
+#define UNPACK_ARGS , kept, use
+#else
+#define UNPACK_ARGS
+#endif
 #define TILE_CALL(r, p)                                                                               \
-    if (plain) q4_tile(codes, (const _Float16 *)params, x, row0, groups, out, r, p);                  \
+    if (plain) q4_tile(codes, (const _Float16 *)params, x, row0, groups, out, r, p UNPACK_ARGS);      \
     /* the layout as a constant: each format's tile compiled on its own (1.2-1.3x at 8+ rows) */  \
-    else if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN); \
-    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET); \
-    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET);
+    else if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN UNPACK_ARGS); \
+    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET UNPACK_ARGS); \
+    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET UNPACK_ARGS);
 #define TILE_CASE(r)                                                                                  \
     case r:                                                                                           \
         if (x->planes == 1) { TILE_CALL(r, 1) }                                                       \
         else { TILE_CALL(r, 2) }                                                                      \
         break;
 
-static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
-                    const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
-                    float *out) {
+static inline __attribute__((always_inline)) void q4_rows_as(const rb_q4_weight *w, const uint8_t *codes,
+                                                             const uint8_t *high, const uint8_t *params,
+                                                             const _Float16 *super, const q4_activations *x,
+                                                             int64_t row0, int64_t rows, int64_t groups, float *out,
+                                                             uint8_t *kept, const int use) {
     const int plain = q4_plain(w);
+    (void)kept, (void)use;
     switch (rows) {
     TILE_CASE(1)
     TILE_CASE(2)
@@ -693,11 +729,22 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
         else { TILE_CALL(TILE, 2) }
     }
 }
+
+/* `use`: UNPACK, or (with `kept`, room for the block's quads) UNPACK_AND_KEEP or REUSE; the same
+   quads and arithmetic every way */
+static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
+                    const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
+                    float *out, uint8_t *kept, int use) {
+    if (use == REUSE) q4_rows_as(w, codes, high, params, super, x, row0, rows, groups, out, kept, REUSE);
+    else if (use == UNPACK_AND_KEEP) q4_rows_as(w, codes, high, params, super, x, row0, rows, groups, out, kept, UNPACK_AND_KEEP);
+    else q4_rows_as(w, codes, high, params, super, x, row0, rows, groups, out, NULL, UNPACK);
+}
 #else
 /* portable: the same integer arithmetic, one product at a time */
 static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
                     const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
-                    float *out) {
+                    float *out, uint8_t *kept, int use) {
+    (void)kept, (void)use; /* always unpacked here (HAVE_KEPT_CODES) */
     const int P = x->planes, hb = w->high_bits, kind = w->params_kind, layout = w->layout;
     const int S = layout == Q4_SCALE_OFFSET ? 1 : 2;
     for (int64_t i = 0; i < rows; i++)
@@ -780,7 +827,7 @@ void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x
     const int64_t groups = w->in / 32;
     const block_at at = block_of(w, block, groups);
     float tile[TILE * Q4_ROWS];
-    q4_rows(w, at.codes, at.high, at.params, at.super, x, row0, rows, groups, tile);
+    q4_rows(w, at.codes, at.high, at.params, at.super, x, row0, rows, groups, tile, NULL, 0);
     tile_out(tile, at.bias, rows, out, Q4_ROWS);
 }
 
@@ -809,10 +856,45 @@ static void unit_span(const rb_unit *unit, int64_t blocks, int64_t run, int64_t 
     *b0 = unit->group * run, *b1 = *b0 + run < blocks ? *b0 + run : blocks;
 }
 
+/* This thread's room for `groups` groups of kept quads (grown, never shrunk), or NULL when none is
+   wanted (0) or memory ran out: each tile then unpacks the codes itself */
+static uint8_t *kept_scratch(int64_t groups) {
+#ifdef HAVE_KEPT_CODES
+    static __thread uint8_t *buffer;
+    static __thread int64_t room;
+    if (groups <= 0) return NULL;
+    if (groups > room) {
+        free(buffer);
+        buffer = (uint8_t *)aligned_alloc(64, groups * KEPT_GROUP_BYTES);
+        room = buffer ? groups : 0;
+    }
+    return buffer;
+#else
+    (void)groups;
+    return NULL;
+#endif
+}
+
+/* Whether a chunk of `rows` activation rows keeps a block's quads for its later tiles (else each
+   tile unpacks the codes again). Unpacking costs more the more a format has to put together (high
+   bits, 8-bit codes): kept from the third tile on, the 0.54B file's Q5_0 shapes ran 1.1x faster at
+   32 rows and 1.25x at 512; Q5_1, Q5_K 1.1-1.27x, Q6_K, Q8_0, Q4_K 1.06-1.19x; at 16 rows all about
+   level (AVX-512 Zen 4, 2 threads). The plain Q4_1 tile unpacks in 12 instructions a group and ran
+   0.84-0.92x with its quads kept: it always unpacks. */
+static inline int keeps_codes(const rb_q4_weight *w, int64_t rows) {
+    return !q4_plain(w) && rows > 2 * TILE;
+}
+
+/* How tile m0 of a chunk from row c0 gets its quads when `kept` is room for them (or NULL) */
+static inline int tile_use(const uint8_t *kept, int64_t m0, int64_t c0) {
+    return !kept ? UNPACK : m0 == c0 ? UNPACK_AND_KEEP : REUSE;
+}
+
 static void q4_part(void *ctx, int64_t part, int64_t parts) {
     (void)parts;
     q4_job *job = (q4_job *)ctx;
     const int64_t groups = job->w->in / 32, width = q4_chain_out(job->w), blocks = width / Q4_ROWS;
+    uint8_t *scratch = kept_scratch(job->M > 2 * TILE ? groups : 0);
     rb_unit unit;
     while (rb_units_claim(&job->units, part, &unit)) {
         int64_t c0, c1, first, last;
@@ -822,10 +904,11 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
             const int64_t lo = first > base ? first : base, end = base + w->out / Q4_ROWS;
             for (int64_t block = lo; block < (last < end ? last : end); block++) {
                 const block_at at = block_of(w, block - base, groups);
+                uint8_t *kept = keeps_codes(w, c1 - c0) ? scratch : NULL;
                 for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
                     const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
                     float out[TILE * Q4_ROWS];
-                    q4_rows(w, at.codes, at.high, at.params, at.super, job->x, m0, rows, groups, out);
+                    q4_rows(w, at.codes, at.high, at.params, at.super, job->x, m0, rows, groups, out, kept, tile_use(kept, m0, c0));
                     tile_out(out, at.bias, rows, job->y + m0 * width + block * Q4_ROWS, width);
                     if (job->hook) job->hook(job->hook_ctx, part, block, m0, rows);
                 }
@@ -861,6 +944,7 @@ static void glu_part(void *ctx, int64_t part, int64_t parts) {
     (void)parts;
     glu_job *job = (glu_job *)ctx;
     const int64_t groups = job->w->in / 32, blocks = job->half / Q4_ROWS;
+    uint8_t *scratch = kept_scratch(job->M > 2 * TILE ? 2 * groups : 0);
     void (*activate)(const float *, int64_t, int64_t, float *) =
         job->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul;
     rb_unit unit;
@@ -871,12 +955,14 @@ static void glu_part(void *ctx, int64_t part, int64_t parts) {
             int64_t gate_block = j, up_block = j + blocks;
             const rb_q4_weight *gate = chain_block(job->w, &gate_block), *up = chain_block(job->w, &up_block);
             const block_at g = block_of(gate, gate_block, groups), u = block_of(up, up_block, groups);
+            uint8_t *gate_kept = keeps_codes(gate, c1 - c0) ? scratch : NULL;
+            uint8_t *up_kept = keeps_codes(up, c1 - c0) && scratch ? scratch + groups * KEPT_GROUP_BYTES : NULL;
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
                 const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
                 float gate_up[TILE * 2 * Q4_ROWS], out[TILE * Q4_ROWS]; /* rows of (gate | up), as the kernel takes them */
-                q4_rows(gate, g.codes, g.high, g.params, g.super, job->x, m0, rows, groups, out);
+                q4_rows(gate, g.codes, g.high, g.params, g.super, job->x, m0, rows, groups, out, gate_kept, tile_use(gate_kept, m0, c0));
                 tile_out(out, g.bias, rows, gate_up, 2 * Q4_ROWS);
-                q4_rows(up, u.codes, u.high, u.params, u.super, job->x, m0, rows, groups, out);
+                q4_rows(up, u.codes, u.high, u.params, u.super, job->x, m0, rows, groups, out, up_kept, tile_use(up_kept, m0, c0));
                 tile_out(out, u.bias, rows, gate_up + Q4_ROWS, 2 * Q4_ROWS);
                 activate(gate_up, rows, Q4_ROWS, out);
                 for (int64_t i = 0; i < rows; i++)

@@ -73,7 +73,9 @@ def test_low_bit_matmul_matches_float64(kind, rows):
 @pytest.mark.parametrize("kind", ggml.LOW_BIT_TYPES, ids=ggml.type_name)
 def test_a_rows_output_does_not_depend_on_its_batch_mates(kind):
     """Row r's outputs are the same bits alone, in a partial tile, and in any tile of the 8-row
-    layout (q4.h's q4_group_index; one row keeps a layout of its own), on 1 or 2 threads."""
+    layout (q4.h's q4_group_index; one row keeps a layout of its own), on 1 or 2 threads, and
+    whether or not its tile reuses the quads an earlier tile of the chunk kept (the 19 rows take
+    three tiles: q4_matmul.c's keeps_codes; the parts take at most two)."""
     t = random_tensor(kind, 48, 512, seed=kind)
     packed = q4.pack(ggml.group_codes(t))
     gen = torch.Generator().manual_seed(kind)
