@@ -382,19 +382,16 @@ static inline __attribute__((always_inline)) void kept_quads(const uint8_t *kept
    constants after inlining, so the accumulators stay in registers) */
 static inline __attribute__((always_inline)) void q4_tile(const uint8_t *codes, const _Float16 *params,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
-                                                          float *out, const int R, const int P,
-                                                          uint8_t *kept, const int use) {
+                                                          float *out, const int R, const int P) {
     const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     __m512 acc[TILE];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        if (use != REUSE) fetch_next_block(codes, NULL, 0, (const uint8_t *)params, PLAIN_GROUP_PARAM_BYTES, groups, g);
+        fetch_next_block(codes, NULL, 0, (const uint8_t *)params, PLAIN_GROUP_PARAM_BYTES, groups, g);
         const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS)));
         const __m512 minimums = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(params + g * 2 * Q4_ROWS + Q4_ROWS)));
         __m512i quad[8];
-        if (use == REUSE) kept_quads(kept, g, quad);
-        else load_quads(codes + g * 4 * 64, quad);
-        if (use == UNPACK_AND_KEEP) keep_quads(kept, g, quad);
+        load_quads(codes + g * 4 * 64, quad);
         __m512i dots[TILE];
         const int64_t at0 = first_at + g * T; /* row0 + i: at0 + i */
         if (R >= TILE_DOTS_ROWS) {
@@ -623,7 +620,8 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
                                                           const uint8_t *high, const uint8_t *params,
                                                           const _Float16 *super,
                                                           const q4_activations *x, int64_t row0, int64_t groups,
-                                                          float *out, const int R, const int P, const int layout) {
+                                                          float *out, const int R, const int P, const int layout,
+                                                          uint8_t *kept, const int use) {
     const int64_t T = x->row_tile, first_at = q4_group_index(row0, 0, groups, T); /* row0 + i's group g: first_at + g * T + i */
     const int hb = w->high_bits, kind = w->params_kind;
     const int64_t bytes = q4_param_bytes(w), half = Q4_ROWS * bytes, stride = q4_param_stride(w);
@@ -634,7 +632,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
         __m256 acc[TILE];
         for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
-            if (h == 0) fetch_next_block(codes, high, hb, params, stride, groups, g);
+            if (h == 0 && use != REUSE) fetch_next_block(codes, high, hb, params, stride, groups, g);
             const uint8_t *pg = params + g * stride + h * 8 * bytes;
             __m256 first = load_params8(pg, kind);
             __m256 second = layout == Q4_SCALE_OFFSET ? first : load_params8(pg + half, kind);
@@ -647,14 +645,21 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
             const __m256 min_a = layout == Q4_SCALE_MIN ? second : _mm256_mul_ps(first, negoff);
             const __m256 min_b = _mm256_mul_ps(scale_b, negoff);
             __m256i quad[8];
-            load_quads(codes + g * 4 * 64 + h * 32, quad);
-            for (int j = 0; j < 8 && hb; j++) {
-                const int bit = j * hb, s = bit % 8;
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(high + (g * hb + bit / 8) * 64 + h * 32));
-                const __m256i t = s <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - s))
-                                         : _mm256_srl_epi16(v, _mm_cvtsi32_si128(s - 4));
-                quad[j] = _mm256_or_si256(quad[j], _mm256_and_si256(t, hmask));
+            uint8_t *kept_half = use != UNPACK ? kept + g * KEPT_GROUP_BYTES + h * 8 * 32 : NULL;
+            if (use == REUSE) {
+                for (int j = 0; j < 8; j++) quad[j] = _mm256_load_si256((const __m256i *)(kept_half + j * 32));
+            } else {
+                load_quads(codes + g * 4 * 64 + h * 32, quad);
+                for (int j = 0; j < 8 && hb; j++) {
+                    const int bit = j * hb, s = bit % 8;
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(high + (g * hb + bit / 8) * 64 + h * 32));
+                    const __m256i t = s <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - s))
+                                             : _mm256_srl_epi16(v, _mm_cvtsi32_si128(s - 4));
+                    quad[j] = _mm256_or_si256(quad[j], _mm256_and_si256(t, hmask));
+                }
             }
+            if (use == UNPACK_AND_KEEP)
+                for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(kept_half + j * 32), quad[j]);
             #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
                 const int64_t at = first_at + g * T + i;
@@ -680,6 +685,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
     }
 }
 #define HAVE_Q4_TILE 1
+#define HAVE_KEPT_CODES 1 /* a group's two halves of 8 quads (32 bytes each), one after the other */
 #endif
 
 /* the plain Q4_1 format (the embedded model's) keeps its own tile, whose layout is fixed at compile
@@ -690,61 +696,66 @@ static inline int q4_plain(const rb_q4_weight *w) {
 }
 
 #ifdef HAVE_Q4_TILE
-#ifdef HAVE_KEPT_CODES
-#define UNPACK_ARGS , kept, use
-#else
-#define UNPACK_ARGS
-#endif
 #define TILE_CALL(r, p)                                                                               \
-    if (plain) q4_tile(codes, (const _Float16 *)params, x, row0, groups, out, r, p UNPACK_ARGS);      \
+    if (plain) q4_tile(codes, (const _Float16 *)params, x, row0, groups, out, r, p);                  \
     /* the layout as a constant: each format's tile compiled on its own (1.2-1.3x at 8+ rows) */  \
-    else if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN UNPACK_ARGS); \
-    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET UNPACK_ARGS); \
-    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET UNPACK_ARGS);
-#define TILE_CASE(r)                                                                                  \
+    else if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN, NULL, UNPACK); \
+    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET, NULL, UNPACK); \
+    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET, NULL, UNPACK);
+/* CALL(r, p) for the tile's `rows` and the activations' planes, each a constant */
+#define ROW_CASE(CALL, r)                                                                             \
     case r:                                                                                           \
-        if (x->planes == 1) { TILE_CALL(r, 1) }                                                       \
-        else { TILE_CALL(r, 2) }                                                                      \
+        if (x->planes == 1) { CALL(r, 1) }                                                            \
+        else { CALL(r, 2) }                                                                           \
         break;
-
-static inline __attribute__((always_inline)) void q4_rows_as(const rb_q4_weight *w, const uint8_t *codes,
-                                                             const uint8_t *high, const uint8_t *params,
-                                                             const _Float16 *super, const q4_activations *x,
-                                                             int64_t row0, int64_t rows, int64_t groups, float *out,
-                                                             uint8_t *kept, const int use) {
-    const int plain = q4_plain(w);
-    (void)kept, (void)use;
-    switch (rows) {
-    TILE_CASE(1)
-    TILE_CASE(2)
-    TILE_CASE(3)
 #if TILE > 4
-    TILE_CASE(4)
-    TILE_CASE(5)
-    TILE_CASE(6)
-    TILE_CASE(7)
+#define WIDE_TILE_CASES(CALL) ROW_CASE(CALL, 4) ROW_CASE(CALL, 5) ROW_CASE(CALL, 6) ROW_CASE(CALL, 7)
+#else
+#define WIDE_TILE_CASES(CALL)
 #endif
-    default:
-        if (x->planes == 1) { TILE_CALL(TILE, 1) }
-        else { TILE_CALL(TILE, 2) }
+#define ROWS_SWITCH(CALL)                                                                             \
+    switch (rows) {                                                                                   \
+    ROW_CASE(CALL, 1) ROW_CASE(CALL, 2) ROW_CASE(CALL, 3) WIDE_TILE_CASES(CALL)                       \
+    default:                                                                                          \
+        if (x->planes == 1) { CALL(TILE, 1) }                                                         \
+        else { CALL(TILE, 2) }                                                                        \
     }
-}
 
-/* `use`: UNPACK, or (with `kept`, room for the block's quads) UNPACK_AND_KEEP or REUSE; the same
-   quads and arithmetic every way */
 static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
                     const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
-                    float *out, uint8_t *kept, int use) {
-    if (use == REUSE) q4_rows_as(w, codes, high, params, super, x, row0, rows, groups, out, kept, REUSE);
-    else if (use == UNPACK_AND_KEEP) q4_rows_as(w, codes, high, params, super, x, row0, rows, groups, out, kept, UNPACK_AND_KEEP);
-    else q4_rows_as(w, codes, high, params, super, x, row0, rows, groups, out, NULL, UNPACK);
+                    float *out) {
+    const int plain = q4_plain(w);
+    ROWS_SWITCH(TILE_CALL)
+}
+
+#define KEPT_CALL(r, p)                                                                               \
+    if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN, kept, use); \
+    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET, kept, use); \
+    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET, kept, use);
+
+static inline __attribute__((always_inline)) void kept_rows_as(const rb_q4_weight *w, const uint8_t *codes,
+                                                               const uint8_t *high, const uint8_t *params,
+                                                               const _Float16 *super, const q4_activations *x,
+                                                               int64_t row0, int64_t rows, int64_t groups, float *out,
+                                                               uint8_t *kept, const int use) {
+    ROWS_SWITCH(KEPT_CALL)
+}
+
+/* q4_rows of a format other than plain Q4_1 (keeps_codes) whose quads a chunk keeps in `kept`: the
+   chunk's first tile unpacks and keeps them (`use` UNPACK_AND_KEEP), the others REUSE them; the
+   same quads and arithmetic as q4_rows. Apart from q4_rows so that its code stays as it was (one
+   body for all three uses made GCC's plain Q4_1 tile 1.15x slower on AVX2). */
+static void q4_kept_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
+                         const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
+                         float *out, uint8_t *kept, int use) {
+    if (use == REUSE) kept_rows_as(w, codes, high, params, super, x, row0, rows, groups, out, kept, REUSE);
+    else kept_rows_as(w, codes, high, params, super, x, row0, rows, groups, out, kept, UNPACK_AND_KEEP);
 }
 #else
 /* portable: the same integer arithmetic, one product at a time */
 static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *high, const uint8_t *params,
                     const _Float16 *super, const q4_activations *x, int64_t row0, int64_t rows, int64_t groups,
-                    float *out, uint8_t *kept, int use) {
-    (void)kept, (void)use; /* always unpacked here (HAVE_KEPT_CODES) */
+                    float *out) {
     const int P = x->planes, hb = w->high_bits, kind = w->params_kind, layout = w->layout;
     const int S = layout == Q4_SCALE_OFFSET ? 1 : 2;
     for (int64_t i = 0; i < rows; i++)
@@ -827,7 +838,7 @@ void q4_block_rows(const rb_q4_weight *w, int64_t block, const q4_activations *x
     const int64_t groups = w->in / 32;
     const block_at at = block_of(w, block, groups);
     float tile[TILE * Q4_ROWS];
-    q4_rows(w, at.codes, at.high, at.params, at.super, x, row0, rows, groups, tile, NULL, 0);
+    q4_rows(w, at.codes, at.high, at.params, at.super, x, row0, rows, groups, tile);
     tile_out(tile, at.bias, rows, out, Q4_ROWS);
 }
 
@@ -877,17 +888,27 @@ static uint8_t *kept_scratch(int64_t groups) {
 
 /* Whether a chunk of `rows` activation rows keeps a block's quads for its later tiles (else each
    tile unpacks the codes again). Unpacking costs more the more a format has to put together (high
-   bits, 8-bit codes): kept from the third tile on, the 0.54B file's Q5_0 shapes ran 1.1x faster at
-   32 rows and 1.25x at 512; Q5_1, Q5_K 1.1-1.27x, Q6_K, Q8_0, Q4_K 1.06-1.19x; at 16 rows all about
-   level (AVX-512 Zen 4, 2 threads). The plain Q4_1 tile unpacks in 12 instructions a group and ran
-   0.84-0.92x with its quads kept: it always unpacks. */
+   bits, 8-bit codes): kept from the third tile on, the 0.54B file's Q5_0 shapes ran 1.1-1.2x faster
+   at 32 rows and 1.2-1.3x at 512; Q5_1, Q5_K 1.1-1.27x, Q6_K, Q8_0, Q4_K 1.06-1.19x; at 16 rows all
+   about level (AVX-512, Zen 4, 2 threads). The AVX2 build's 4-row tiles gain more: Q5_0, Q8_0, Q6_K
+   1.3-1.5x at 16-512 rows, Q4_0, Q4_K 1.1-1.2x (same Zen 4). The plain Q4_1 tile unpacks in 12
+   instructions a group and ran 0.84-0.92x with its quads kept: it always unpacks. */
 static inline int keeps_codes(const rb_q4_weight *w, int64_t rows) {
     return !q4_plain(w) && rows > 2 * TILE;
 }
 
-/* How tile m0 of a chunk from row c0 gets its quads when `kept` is room for them (or NULL) */
-static inline int tile_use(const uint8_t *kept, int64_t m0, int64_t c0) {
-    return !kept ? UNPACK : m0 == c0 ? UNPACK_AND_KEEP : REUSE;
+/* q4_rows for tile m0 of a chunk from row c0, with the block's quads kept in `kept` (or NULL) */
+static inline void chunk_rows(const rb_q4_weight *w, const block_at *at, const q4_activations *x, int64_t m0,
+                              int64_t rows, int64_t groups, float *out, uint8_t *kept, int64_t c0) {
+#ifdef HAVE_KEPT_CODES
+    if (kept) {
+        q4_kept_rows(w, at->codes, at->high, at->params, at->super, x, m0, rows, groups, out, kept,
+                     m0 == c0 ? UNPACK_AND_KEEP : REUSE);
+        return;
+    }
+#endif
+    (void)kept, (void)c0;
+    q4_rows(w, at->codes, at->high, at->params, at->super, x, m0, rows, groups, out);
 }
 
 static void q4_part(void *ctx, int64_t part, int64_t parts) {
@@ -908,7 +929,7 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
                 for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
                     const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
                     float out[TILE * Q4_ROWS];
-                    q4_rows(w, at.codes, at.high, at.params, at.super, job->x, m0, rows, groups, out, kept, tile_use(kept, m0, c0));
+                    chunk_rows(w, &at, job->x, m0, rows, groups, out, kept, c0);
                     tile_out(out, at.bias, rows, job->y + m0 * width + block * Q4_ROWS, width);
                     if (job->hook) job->hook(job->hook_ctx, part, block, m0, rows);
                 }
@@ -960,9 +981,9 @@ static void glu_part(void *ctx, int64_t part, int64_t parts) {
             for (int64_t m0 = c0; m0 < c1; m0 += TILE) {
                 const int64_t rows = c1 - m0 < TILE ? c1 - m0 : TILE;
                 float gate_up[TILE * 2 * Q4_ROWS], out[TILE * Q4_ROWS]; /* rows of (gate | up), as the kernel takes them */
-                q4_rows(gate, g.codes, g.high, g.params, g.super, job->x, m0, rows, groups, out, gate_kept, tile_use(gate_kept, m0, c0));
+                chunk_rows(gate, &g, job->x, m0, rows, groups, out, gate_kept, c0);
                 tile_out(out, g.bias, rows, gate_up, 2 * Q4_ROWS);
-                q4_rows(up, u.codes, u.high, u.params, u.super, job->x, m0, rows, groups, out, up_kept, tile_use(up_kept, m0, c0));
+                chunk_rows(up, &u, job->x, m0, rows, groups, out, up_kept, c0);
                 tile_out(out, u.bias, rows, gate_up + Q4_ROWS, 2 * Q4_ROWS);
                 activate(gate_up, rows, Q4_ROWS, out);
                 for (int64_t i = 0; i < rows; i++)
