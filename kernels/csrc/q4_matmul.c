@@ -867,25 +867,6 @@ static void unit_span(const rb_unit *unit, int64_t blocks, int64_t run, int64_t 
     *b0 = unit->group * run, *b1 = *b0 + run < blocks ? *b0 + run : blocks;
 }
 
-/* This thread's room for `groups` groups of kept quads (grown, never shrunk), or NULL when none is
-   wanted (0) or memory ran out: each tile then unpacks the codes itself */
-static uint8_t *kept_scratch(int64_t groups) {
-#ifdef HAVE_KEPT_CODES
-    static __thread uint8_t *buffer;
-    static __thread int64_t room;
-    if (groups <= 0) return NULL;
-    if (groups > room) {
-        free(buffer);
-        buffer = (uint8_t *)aligned_alloc(64, groups * KEPT_GROUP_BYTES);
-        room = buffer ? groups : 0;
-    }
-    return buffer;
-#else
-    (void)groups;
-    return NULL;
-#endif
-}
-
 /* Whether a chunk of `rows` activation rows keeps a block's quads for its later tiles (else each
    tile unpacks the codes again). Unpacking costs more the more a format has to put together (high
    bits, 8-bit codes): kept from the third tile on, the 0.54B file's Q5_0 shapes ran 1.1-1.2x faster
@@ -895,6 +876,20 @@ static uint8_t *kept_scratch(int64_t groups) {
    instructions a group and ran 0.84-0.92x with its quads kept: it always unpacks. */
 static inline int keeps_codes(const rb_q4_weight *w, int64_t rows) {
     return !q4_plain(w) && rows > 2 * TILE;
+}
+
+/* A part's room for `blocks` blocks of kept quads of chain w's weights (free() it), or NULL where no
+   link keeps them for chunks of M rows, this build keeps none or memory ran out (each tile then
+   unpacks the codes itself) */
+static uint8_t *kept_scratch(const rb_q4_weight *w, int64_t M, int64_t blocks) {
+#ifdef HAVE_KEPT_CODES
+    for (; w; w = w->next)
+        if (keeps_codes(w, M < ROW_CHUNK ? M : ROW_CHUNK))
+            return (uint8_t *)aligned_alloc(64, blocks * (w->in / 32) * KEPT_GROUP_BYTES);
+#else
+    (void)w, (void)M, (void)blocks;
+#endif
+    return NULL;
 }
 
 /* q4_rows for tile m0 of a chunk from row c0, with the block's quads kept in `kept` (or NULL) */
@@ -915,7 +910,7 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
     (void)parts;
     q4_job *job = (q4_job *)ctx;
     const int64_t groups = job->w->in / 32, width = q4_chain_out(job->w), blocks = width / Q4_ROWS;
-    uint8_t *scratch = kept_scratch(job->M > 2 * TILE ? groups : 0);
+    uint8_t *scratch = kept_scratch(job->w, job->M, 1);
     rb_unit unit;
     while (rb_units_claim(&job->units, part, &unit)) {
         int64_t c0, c1, first, last;
@@ -936,6 +931,7 @@ static void q4_part(void *ctx, int64_t part, int64_t parts) {
             }
         }
     }
+    free(scratch);
 }
 
 /* ---- a gated MLP's first half: act = f(x @ gate^T) * (x @ up^T) -----------------------------------
@@ -965,7 +961,7 @@ static void glu_part(void *ctx, int64_t part, int64_t parts) {
     (void)parts;
     glu_job *job = (glu_job *)ctx;
     const int64_t groups = job->w->in / 32, blocks = job->half / Q4_ROWS;
-    uint8_t *scratch = kept_scratch(job->M > 2 * TILE ? 2 * groups : 0);
+    uint8_t *scratch = kept_scratch(job->w, job->M, 2); /* a gate block's and an up block's */
     void (*activate)(const float *, int64_t, int64_t, float *) =
         job->activation == RB_GELU_TANH ? rb_gelu_tanh_and_mul : rb_silu_and_mul;
     rb_unit unit;
@@ -991,6 +987,7 @@ static void glu_part(void *ctx, int64_t part, int64_t parts) {
             }
         }
     }
+    free(scratch);
 }
 
 /* Row i of the activations times its own weight ws[i] (all of one shape, no chains): one
