@@ -210,7 +210,9 @@ def test_unsupported_type_is_named():
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
 def test_other_instruction_sets_compute_the_same(tmp_path, march):
     """The AVX2-without-VNNI (haswell) and portable (x86-64) builds give this machine's results for
-    every low-bit type and both activation formats."""
+    every low-bit type and both activation formats, and each build gives a row the same bits alone
+    as among 9 rows (three of the AVX2 build's 4-row tiles, whose chunk keeps the quads it unpacked:
+    q4_matmul.c's keeps_codes)."""
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in native.FLAGS)
     try:
         lib = native.declare(ctypes.CDLL(str(native.build(native._compiler(), tmp_path, flags))))
@@ -229,6 +231,11 @@ def test_other_instruction_sets_compute_the_same(tmp_path, march):
             want = q4.q4_matmul(x, packed, activation_bits=bits)  # float sums in another order only
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()),
                                        msg=f"{ggml.type_name(kind)}, {bits}-bit activations")
+            alone = torch.empty(1, 32)
+            for row in (0, 8):
+                one = x[row:row + 1].contiguous()
+                assert lib.rb_q4_matmul(ctypes.byref(packed.as_struct()), one.data_ptr(), 1, alone.data_ptr(), 2, bits) == 0
+                assert torch.equal(alone[0], got[row]), (ggml.type_name(kind), bits, row)
     w = _gate_up((ggml.Q5_0, ggml.Q6_K), cols=256)  # the gated MLP pass equals that build's two steps
     both, act, want = torch.empty(9, 128), torch.empty(9, 64), torch.empty(9, 64)
     assert lib.rb_q4_matmul(ctypes.byref(w.as_struct()), x.data_ptr(), 9, both.data_ptr(), 2, 8) == 0
