@@ -615,6 +615,28 @@ static inline __m256 load_params8(const uint8_t *p, int kind) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
+/* unpack_group of the AVX-512 build for half h of the block (8 rows) */
+static inline __attribute__((always_inline)) void unpack_half(const uint8_t *codes, const uint8_t *high, int hb,
+                                                              __m256i hmask, int64_t g, int h, __m256i quad[8]) {
+    load_quads(codes + g * 4 * 64 + h * 32, quad);
+    for (int j = 0; j < 8 && hb; j++) {
+        const int bit = j * hb, s = bit % 8;
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(high + (g * hb + bit / 8) * 64 + h * 32));
+        const __m256i t = s <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - s))
+                                 : _mm256_srl_epi16(v, _mm_cvtsi32_si128(s - 4));
+        quad[j] = _mm256_or_si256(quad[j], _mm256_and_si256(t, hmask));
+    }
+}
+
+/* keep_quads and kept_quads of the AVX-512 build for half h: a group's two halves one after the other */
+static inline __attribute__((always_inline)) void keep_quads(uint8_t *kept, int64_t g, int h, const __m256i quad[8]) {
+    for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(kept + g * KEPT_GROUP_BYTES + (h * 8 + j) * 32), quad[j]);
+}
+
+static inline __attribute__((always_inline)) void kept_quads(const uint8_t *kept, int64_t g, int h, __m256i quad[8]) {
+    for (int j = 0; j < 8; j++) quad[j] = _mm256_load_si256((const __m256i *)(kept + g * KEPT_GROUP_BYTES + (h * 8 + j) * 32));
+}
+
 /* qx_tile of the AVX-512 build on 32-byte vectors, one half block (8 rows) at a time */
 static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w, const uint8_t *codes,
                                                           const uint8_t *high, const uint8_t *params,
@@ -645,21 +667,9 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
             const __m256 min_a = layout == Q4_SCALE_MIN ? second : _mm256_mul_ps(first, negoff);
             const __m256 min_b = _mm256_mul_ps(scale_b, negoff);
             __m256i quad[8];
-            uint8_t *kept_half = use != UNPACK ? kept + g * KEPT_GROUP_BYTES + h * 8 * 32 : NULL;
-            if (use == REUSE) {
-                for (int j = 0; j < 8; j++) quad[j] = _mm256_load_si256((const __m256i *)(kept_half + j * 32));
-            } else {
-                load_quads(codes + g * 4 * 64 + h * 32, quad);
-                for (int j = 0; j < 8 && hb; j++) {
-                    const int bit = j * hb, s = bit % 8;
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(high + (g * hb + bit / 8) * 64 + h * 32));
-                    const __m256i t = s <= 4 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(4 - s))
-                                             : _mm256_srl_epi16(v, _mm_cvtsi32_si128(s - 4));
-                    quad[j] = _mm256_or_si256(quad[j], _mm256_and_si256(t, hmask));
-                }
-            }
-            if (use == UNPACK_AND_KEEP)
-                for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(kept_half + j * 32), quad[j]);
+            if (use == REUSE) kept_quads(kept, g, h, quad);
+            else unpack_half(codes, high, hb, hmask, g, h, quad);
+            if (use == UNPACK_AND_KEEP) keep_quads(kept, g, h, quad);
             #pragma GCC unroll 8
             for (int i = 0; i < R; i++) {
                 const int64_t at = first_at + g * T + i;
@@ -685,7 +695,7 @@ static inline __attribute__((always_inline)) void qx_tile(const rb_q4_weight *w,
     }
 }
 #define HAVE_Q4_TILE 1
-#define HAVE_KEPT_CODES 1 /* a group's two halves of 8 quads (32 bytes each), one after the other */
+#define HAVE_KEPT_CODES 1
 #endif
 
 /* the plain Q4_1 format (the embedded model's) keeps its own tile, whose layout is fixed at compile
@@ -696,12 +706,14 @@ static inline int q4_plain(const rb_q4_weight *w) {
 }
 
 #ifdef HAVE_Q4_TILE
+/* the layout as a constant: each format's tile compiled on its own (1.2-1.3x at 8+ rows) */
+#define QX_CALL(r, p, kept, use)                                                                      \
+    if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN, kept, use); \
+    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET, kept, use); \
+    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET, kept, use);
 #define TILE_CALL(r, p)                                                                               \
     if (plain) q4_tile(codes, (const _Float16 *)params, x, row0, groups, out, r, p);                  \
-    /* the layout as a constant: each format's tile compiled on its own (1.2-1.3x at 8+ rows) */  \
-    else if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN, NULL, UNPACK); \
-    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET, NULL, UNPACK); \
-    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET, NULL, UNPACK);
+    else { QX_CALL(r, p, NULL, UNPACK) }
 /* CALL(r, p) for the tile's `rows` and the activations' planes, each a constant */
 #define ROW_CASE(CALL, r)                                                                             \
     case r:                                                                                           \
@@ -728,10 +740,7 @@ static void q4_rows(const rb_q4_weight *w, const uint8_t *codes, const uint8_t *
     ROWS_SWITCH(TILE_CALL)
 }
 
-#define KEPT_CALL(r, p)                                                                               \
-    if (w->layout == Q4_SCALE_MIN) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_MIN, kept, use); \
-    else if (w->layout == Q4_SCALE_OFFSET) qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE_OFFSET, kept, use); \
-    else qx_tile(w, codes, high, params, super, x, row0, groups, out, r, p, Q4_SCALE16_OFFSET, kept, use);
+#define KEPT_CALL(r, p) QX_CALL(r, p, kept, use)
 
 static inline __attribute__((always_inline)) void kept_rows_as(const rb_q4_weight *w, const uint8_t *codes,
                                                                const uint8_t *high, const uint8_t *params,
