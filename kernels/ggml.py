@@ -25,6 +25,7 @@ NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1:
 FLOAT_TYPES = (F32, F16, BF16)
 LOW_BIT_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)  # run by the low-bit kernel (q4.py)
 SUPPORTED = (*FLOAT_TYPES, *LOW_BIT_TYPES)
+NATIVE_ROW_TYPES = (*FLOAT_TYPES, Q8_0)  # whose rows csrc/ggml_rows.c reads (embedding lookups)
 # (weights per block, bytes per block)
 BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
          Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}

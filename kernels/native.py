@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "decode_stack.c", CSRC / "q8_matmul.c",
-           CSRC / "q4_matmul.c", CSRC / "head_screen.c", CSRC / "f32_matmul.c", CSRC / "moe.c", CSRC / "q4_pack.c", CSRC / "thread_pool.c")
+           CSRC / "q4_matmul.c", CSRC / "head_screen.c", CSRC / "f32_matmul.c", CSRC / "moe.c", CSRC / "q4_pack.c",
+           CSRC / "ggml_rows.c", CSRC / "thread_pool.c")
 HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "moe.h", CSRC / "q16.h", CSRC / "q4.h",
            CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
@@ -71,6 +72,8 @@ _SIGNATURES = {
     "rb_q4_screened": ([_P, _P, _P, _I, _I, _P, _I], ctypes.c_int),
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P, _I], None),
     "rb_ggml_pack": ([_I, _P, _I, _I, _I, _I, _I, _P, _P, _I], ctypes.c_int),
+    "rb_ggml_rows": ([_I, _P, _I, _I, _I, _P, _I, _P], ctypes.c_int),
+    "rb_ggml_rows_supported": ([_I], ctypes.c_int),
     "rb_q4_smallest_8bit_code": ([], ctypes.c_int),
     "rb_q4_tile_rows": ([], ctypes.c_int),
     "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from radix_backend.kernels import ggml, native, q4, weight_arena
+from radix_backend.kernels import ggml, native, q4, quant, weight_arena
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built here")
@@ -53,6 +53,32 @@ def test_dequantize_equals_gguf_bit_for_bit(kind):
     assert torch.equal(ggml.dequantize(t), gguf_reference(t))
     rows = np.array([5, 0, 47, 5])  # an embedding lookup dequantizes only the rows it reads
     assert torch.equal(ggml.dequantize(t, rows), gguf_reference(t)[torch.from_numpy(rows)])
+
+
+@pytest.mark.parametrize("kind", ggml.NATIVE_ROW_TYPES, ids=ggml.type_name)
+def test_native_embedding_lookup_equals_gguf_bit_for_bit(kind):
+    """An embedding lookup read by one native call (csrc/ggml_rows.c) gives gguf's values, for every
+    fp16 bit pattern (subnormal, infinite and NaN scales and values included), and refuses an id
+    outside the table as the numpy lookup does."""
+    t = random_tensor(kind, 48, 512, seed=kind)
+    if kind in (ggml.F16, ggml.Q8_0):  # every fp16 bit pattern once, as values or as block scales
+        patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.uint8)
+        if kind == ggml.F16:
+            t = ggml.RawTensor("w", kind, 128, 512, patterns.reshape(128, 1024).copy())
+        else:
+            blocks = t.data.reshape(48, 16, 34).copy()
+            blocks[..., :2] = patterns[:48 * 16 * 2].reshape(48, 16, 2)
+            t = ggml.RawTensor("w", kind, 48, 512, blocks.reshape(48, -1))
+    embedding = quant.GGUFEmbedding(t)
+    ids = torch.tensor([[5, 0], [t.rows - 1, 5]])
+    got = embedding(ids)
+    want = gguf_reference(t)[ids]
+    assert got.shape == (2, 2, 512)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # NaNs compared by their bits
+    whole = embedding(torch.arange(t.rows))
+    assert torch.equal(whole.view(torch.int32), gguf_reference(t).view(torch.int32))
+    with pytest.raises(IndexError, match="outside the"):
+        embedding(torch.tensor([t.rows]))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
