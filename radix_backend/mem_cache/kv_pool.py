@@ -18,6 +18,7 @@ import math
 import mmap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InvalidRequestError, RadixBackendError
@@ -160,6 +161,11 @@ class SlotAllocator:
         self._num_free_pages = self.num_pages
         self._page_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
         self._page_free[0] = False  # the padding page is never free, never allocated
+        # what alloc and free index: on the CPU numpy views of the same memory (a decode step's
+        # torch indexing took ~100 us right after a forward had swept the caches), else the tensors
+        cpu = self.device.type == "cpu"
+        self._stack_ops = self._stack.numpy() if cpu else self._stack
+        self._free_ops = self._page_free.numpy() if cpu else self._page_free
 
     def free_slots(self) -> torch.Tensor:
         """Every currently free token slot, sorted (for invariant checks; O(pool))."""
@@ -213,46 +219,58 @@ class SlotAllocator:
             return
         slots = slots.to(device=self.device, dtype=torch.int64).flatten()
         pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
-        m = int(pages.numel())
+        if self.device.type == "cpu":
+            pages = pages.numpy()
+        m = int(pages.size if isinstance(pages, np.ndarray) else pages.numel())
         if self._check:
             self._validate_free(pages)
         if self._num_free_pages + m > self.num_pages:  # the stack would overflow: checked everywhere
             raise SlotAccountingError(f"freeing {m} pages with {self._num_free_pages} of {self.num_pages} "
                                       "already free: double free")
-        self._page_free[pages] = True
+        self._free_ops[pages] = True
         top = self._num_free_pages  # pushed in reverse, so the next alloc pops them in this order
-        self._stack[top:top + m] = pages.flip(0)  # a copy: the caller may overwrite its tensor later
+        self._stack_ops[top:top + m] = _reversed(pages)  # a copy: the caller may overwrite its tensor later
         self._num_free_pages += m
         if self.debug and int(self._page_free.sum()) != self._num_free_pages:
             raise SlotAccountingError("free-page count drifted from the free mask")
 
     # --- internals --------------------------------------------------------------------------
-    def _validate_free(self, pages: torch.Tensor) -> None:
+    def _validate_free(self, pages: torch.Tensor | np.ndarray) -> None:
         lo, hi = int(pages.min()), int(pages.max())
         if lo < 1 or hi > self.num_pages:
             bad = lo if lo < 1 else hi
             what = "the reserved padding page" if bad == 0 else "out of range"
             raise SlotAccountingError(
                 f"freeing page {bad} (page_size {self.page_size}), which is {what}; valid pages are 1..{self.num_pages}")
-        already = self._page_free[pages]
+        already = self._free_ops[pages]
         if bool(already.any()):
             page = int(pages[already][0])
             raise SlotAccountingError(f"double free of page {page} (slots {page * self.page_size}.."
                                       f"{page * self.page_size + self.page_size - 1})")
-        if self.page_size == 1 and pages.numel() > 1 and torch.unique(pages).numel() != pages.numel():
+        if self.page_size == 1 and len(pages) > 1 and _distinct(pages) != len(pages):
             raise SlotAccountingError("the same slot appears twice in one free() call")
 
     def _take_pages(self, k: int) -> torch.Tensor:
         if k == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         top = self._num_free_pages
-        pages = self._stack[top - k:top].flip(0)  # flip copies: later pushes overwrite the stack
-        self._page_free[pages] = False
+        pages = _reversed(self._stack_ops[top - k:top])  # a copy: later pushes overwrite the stack
+        self._free_ops[pages] = False
         self._num_free_pages -= k
-        return pages
+        return torch.from_numpy(pages) if isinstance(pages, np.ndarray) else pages
 
     def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
         if self.page_size == 1:
             return pages
         offs = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
         return (pages[:, None] * self.page_size + offs[None, :]).flatten()
+
+
+def _reversed(pages: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """A reversed copy, of a numpy array or a tensor."""
+    return pages[::-1].copy() if isinstance(pages, np.ndarray) else pages.flip(0)
+
+
+def _distinct(pages: torch.Tensor | np.ndarray) -> int:
+    """How many different values, in a numpy array or a tensor."""
+    return int(np.unique(pages).size if isinstance(pages, np.ndarray) else torch.unique(pages).numel())
