@@ -124,11 +124,17 @@ class Scheduler:
                     self._step()
             except Exception as exc:  # a bug or a device error: fail the batch, keep serving
                 logger.exception("scheduler step failed")
-                for req in list(self.running) + list(self.waiting):
-                    self._finish(req, error=exc)
-        for req in list(self.running) + list(self.waiting):
-            self._finish(req, error=EngineShutdownError("the engine was shut down before this request finished"))
+                self._fail_all(exc)
+        self._fail_all(EngineShutdownError("the engine was shut down before this request finished"))
         self._drain_inbox(block=False, shutting_down=True)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every queued request with `error`; one whose KV cannot be released is failed all the same."""
+        for req in list(self.running) + list(self.waiting):
+            try:
+                self._finish(req, error=error)
+            except Exception:  # noqa: BLE001 - _finish has failed its handle; the others still need theirs
+                logger.exception("releasing a failed request's KV failed")
 
     def _drain_inbox(self, block: bool, shutting_down: bool = False) -> None:
         def add(req: Req) -> None:
@@ -319,13 +325,17 @@ class Scheduler:
 
     # ---- finishing ----------------------------------------------------------------------------
     def _finish(self, req: Req, error: BaseException | None = None) -> None:
-        if req in self.running:
-            self.running.remove(req)
-            self.kv.cache(req.kv, req.computed_ids, finished=True)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-            if req.kv.last_node is not None:
+        try:
+            if req in self.running:
+                self.running.remove(req)
                 self.kv.cache(req.kv, req.computed_ids, finished=True)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+                if req.kv.last_node is not None:
+                    self.kv.cache(req.kv, req.computed_ids, finished=True)
+        except Exception as exc:  # a KV accounting fault: the request, no longer queued, still gets an answer
+            req.handle.fail(error or exc)
+            raise
         if error is not None:
             req.handle.fail(error)
             return

@@ -124,3 +124,27 @@ def test_a_failing_stream_fails_alone(tiny_engine, alone, monkeypatch) -> None:
         list(bad.iter_chunks())
     assert [h.wait(timeout=60).token_ids for h in handles] == alone
     _assert_no_leak(tiny_engine)
+
+
+def test_a_kv_fault_while_finishing_fails_the_request_instead_of_hanging(tiny_llama_dir, monkeypatch) -> None:
+    """A request whose KV cannot be released when it finishes (an accounting fault) is no longer
+    queued: it still gets the error instead of waiting forever, and the engine keeps serving."""
+    from radix_backend import Engine
+    from radix_backend.mem_cache.kv_manager import KVManager
+    from radix_backend.mem_cache.kv_pool import SlotAccountingError
+
+    real = KVManager.cache
+    armed = {"on": True}
+
+    def faulty(self, held, ids, finished=False):
+        if finished and armed["on"]:
+            armed["on"] = False
+            raise SlotAccountingError("injected fault while caching a finished request")
+        return real(self, held, ids, finished=finished)
+
+    monkeypatch.setattr(KVManager, "cache", faulty)
+    with Engine(str(tiny_llama_dir), kv_cache_tokens=4096, device="cpu", dtype="float32") as engine:
+        handle = engine.submit("Once upon a time", _params(max_new_tokens=4))
+        with pytest.raises(SlotAccountingError, match="injected"):
+            handle.wait(timeout=60)
+        assert len(engine.generate("Once upon a time", _params(max_new_tokens=4)).token_ids) == 4
