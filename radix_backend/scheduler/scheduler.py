@@ -116,10 +116,10 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             idle = not self.waiting and not self.running
-            self._drain_inbox(block=idle)
-            if self._stop.is_set():
-                break
             try:
+                self._drain_inbox(block=idle)  # an abort releases KV too
+                if self._stop.is_set():
+                    break
                 with torch.inference_mode():  # logits are inference tensors; sampling edits them in place
                     self._step()
             except Exception as exc:  # a bug or a device error: fail the batch, keep serving

@@ -148,3 +148,11 @@ def test_a_kv_fault_while_finishing_fails_the_request_instead_of_hanging(tiny_ll
         with pytest.raises(SlotAccountingError, match="injected"):
             handle.wait(timeout=60)
         assert len(engine.generate("Once upon a time", _params(max_new_tokens=4)).token_ids) == 4
+        armed["on"] = True  # the same fault while an abort releases a running request's KV
+        handle = engine.submit("Once upon a time", _params(max_new_tokens=300))
+        while not handle.done and engine.cache_stats().running_requests == 0:
+            pass
+        engine.abort(handle.rid)
+        with pytest.raises(SlotAccountingError, match="injected"):
+            handle.wait(timeout=60)
+        assert len(engine.generate("Once upon a time", _params(max_new_tokens=4)).token_ids) == 4
