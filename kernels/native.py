@@ -73,7 +73,6 @@ _SIGNATURES = {
     "rb_q4_pack_codes": ([_P, _I, _I, _I, _P, _P, _I], None),
     "rb_ggml_pack": ([_I, _P, _I, _I, _I, _I, _I, _P, _P, _I], ctypes.c_int),
     "rb_ggml_rows": ([_I, _P, _I, _I, _I, _P, _I, _P], ctypes.c_int),
-    "rb_ggml_rows_supported": ([_I], ctypes.c_int),
     "rb_q4_smallest_8bit_code": ([], ctypes.c_int),
     "rb_q4_tile_rows": ([], ctypes.c_int),
     "rb_q8_matmul": ([_P, _P, _I, _P, _I], ctypes.c_int),

@@ -10,7 +10,8 @@
 
 enum { F32 = 0, F16 = 1, Q8_0 = 8, BF16 = 30 };
 
-/* IEEE half to single, exact for every value (subnormals, infinities, NaN payloads) */
+/* IEEE half to single, exact for every value (subnormals, infinities, NaN payloads: the compiler's
+   _Float16 conversion quiets a signaling NaN, which gguf's numpy conversion keeps) */
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
@@ -58,14 +59,14 @@ static void wide_row(int64_t type, const uint8_t *row, int64_t cols, float *out)
     }
 }
 
-/* Whether rb_ggml_rows reads this ggml type */
-int rb_ggml_rows_supported(int64_t type) { return type == F32 || type == F16 || type == BF16 || type == Q8_0; }
+/* Whether rb_ggml_rows reads this ggml type (ggml.py's NATIVE_ROW_TYPES) */
+static int reads_type(int64_t type) { return type == F32 || type == F16 || type == BF16 || type == Q8_0; }
 
 /* out [n, cols] = rows ids[0..n) of a [rows, cols] tensor of `type` whose rows lie `row_bytes`
    apart from `data`. Returns 0, -1 for a type not read here, -2 for an id outside 0..rows. */
 int rb_ggml_rows(int64_t type, const uint8_t *data, int64_t rows, int64_t cols, int64_t row_bytes,
                  const int64_t *ids, int64_t n, float *out) {
-    if (!rb_ggml_rows_supported(type) || (type == Q8_0 && cols % 32)) return -1;
+    if (!reads_type(type) || (type == Q8_0 && cols % 32)) return -1;
     for (int64_t r = 0; r < n; r++)
         if (ids[r] < 0 || ids[r] >= rows) return -2;
     for (int64_t r = 0; r < n; r++) {

@@ -221,7 +221,7 @@ class SlotAllocator:
         pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
         if self.device.type == "cpu":
             pages = pages.numpy()
-        m = int(pages.size if isinstance(pages, np.ndarray) else pages.numel())
+        m = len(pages)
         if self._check:
             self._validate_free(pages)
         if self._num_free_pages + m > self.num_pages:  # the stack would overflow: checked everywhere
