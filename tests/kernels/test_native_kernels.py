@@ -436,6 +436,37 @@ def test_requests_that_begin_with_the_same_keys_read_them_once_with_the_same_bit
     assert native.KeySharing.find(kv_indices[:200], [0], [200]) is None
 
 
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 1), (15, 5), (14, 2)])
+@pytest.mark.parametrize("rows", [2, 4, 8, 9, 16])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_requests_draft_rows_split_over_the_threads_keep_their_bits(hq, hkv, rows, bf16):
+    """A speculative step's rows of one request (row j: the request's 300 keys and its first j + 1
+    new ones) form one chunk, a kv head a task: with an odd number of kv heads the tasks do not
+    divide among 2 threads, so the kernel splits the chunk into halves that each read the shared
+    blocks (where both halves still fill a tile). Every row keeps the bits it gets alone, on 1, 2
+    and 3 threads, and matches the float reference."""
+    dim = 64
+    gen = torch.Generator().manual_seed(rows * 10 + hkv)
+    k_cache, v_cache = torch.randn(1024, hkv, dim, generator=gen), torch.randn(1024, hkv, dim, generator=gen)
+    free = torch.randperm(1024, generator=gen).tolist()
+    context, new = free[:300], free[300:300 + rows]
+    tables = [context + new[:j + 1] for j in range(rows)]
+    kv_indices = torch.tensor([s for t in tables for s in t])
+    lens = torch.tensor([len(t) for t in tables])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)[:-1]])
+    sharing = native.KeySharing.find(kv_indices, starts.tolist(), lens.tolist())
+    assert sharing is not None and sharing.bounds.diff().tolist() == [rows] and sharing.shared.tolist() == [256]
+    q = torch.randn(rows, hq, dim, generator=gen)
+    alone = [native.decode_attention(q[j:j + 1], k_cache, v_cache, kv_indices, starts[j:j + 1], lens[j:j + 1], 0.125,
+                                     with_lse=True, invariant=True, bf16=bf16) for j in range(rows)]
+    for threads in (1, 2, 3):
+        out, lse = native.decode_attention(q, k_cache, v_cache, kv_indices, starts, lens, 0.125, with_lse=True,
+                                           threads=threads, invariant=True, sharing=sharing, bf16=bf16)
+        assert torch.equal(out, torch.cat([o for o, _ in alone])) and torch.equal(lse, torch.cat([l for _, l in alone]))
+    reference, _ = reference_decode(q, k_cache, v_cache, tables, 0.125)
+    torch.testing.assert_close(out, reference, atol=3e-2 if bf16 else 2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_branches_behind_a_common_system_prompt_share_their_transcript(bf16):
     """A batch's branches (three questions after each of three transcripts) all begin with the same
