@@ -35,7 +35,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("cos_sin", ctypes.c_void_p), ("rot", ctypes.c_int64),
-                ("out_scale", ctypes.c_float), ("attention_bf16", ctypes.c_int64)]
+                ("out_scale", ctypes.c_float), ("attention_bf16", ctypes.c_int64), ("final_norm", ctypes.c_void_p)]
 
 
 @dataclass
@@ -74,9 +74,11 @@ class DecodeStack:
     """The decoder layers of one model for `run`; keeps the packed tensors alive for the C side."""
 
     def __init__(self, layers: list[LayerWeights], *, heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, cos_sin: torch.Tensor, max_tokens: int = 64, out_scale: float = 1.0) -> None:
+                 scale: float, cos_sin: torch.Tensor, max_tokens: int = 64, out_scale: float = 1.0,
+                 final_norm: torch.Tensor | None = None) -> None:
         """`cos_sin` [positions, rot]: rot <= head_dim features of each head rotate (partial rotary
-        passes the rest through); `out_scale`: Granite's multiplier on attention and MLP outputs."""
+        passes the rest through); `out_scale`: Granite's multiplier on attention and MLP outputs;
+        `final_norm`: the model's final RMSNorm weight [hidden] fp32 (with `eps`), taken by `run`."""
         rot = cos_sin.shape[-1]
         if cos_sin.dtype != torch.float32 or rot > head_dim or rot % 2:
             raise ValueError("the RoPE table must be fp32 [positions, rot], rot even and at most the head size")
@@ -87,8 +89,12 @@ class DecodeStack:
         self.cos_sin = cos_sin.contiguous()
         hidden = layers[0].qkv.in_features
         intermediate = max((w.down.in_features for w in layers if w.moe is None), default=0)
+        if final_norm is not None and (final_norm.dtype != torch.float32 or final_norm.shape != (hidden,)
+                                       or not final_norm.is_contiguous()):
+            raise ValueError(f"the final norm weight must be contiguous fp32 [{hidden}]")
+        self.final_norm = final_norm
         self._dims = _Dims(hidden, heads, kv_heads, head_dim, intermediate, eps, scale, self.cos_sin.data_ptr(), rot,
-                           out_scale)
+                           out_scale, 0, None if final_norm is None else final_norm.data_ptr())
         self._structs = (_Layer * len(layers))()
         self._blocks = [w.moe.experts.block(w.moe.router, w.moe.top_k, w.moe.renormalise, w.moe.shared) if w.moe else None
                         for w in layers]
@@ -141,7 +147,8 @@ class DecodeStack:
             sharing: native.KeySharing | None = None, threads: int = 1, activation_bits: int = 16,
             invariant: bool = True, attention_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per request (token t of request t): (last MLP output, residual stream), both
-        [T, hidden], whose sum the model's final norm takes; the linears use `threads` threads and
+        [T, hidden], whose sum the model's final norm takes (with `final_norm`: (that norm's output,
+        the sum)); the linears use `threads` threads and
         take their inputs as `activation_bits` integers (see `q4_matmul`); `invariant`: attention gives
         each row the extend kernel's bits (`native.decode_attention`), reading the keys of `sharing`'s
         chunks once per chunk; `attention_bf16` (with `invariant`, or a bf16 pool, which needs it): its

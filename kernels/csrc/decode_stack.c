@@ -41,6 +41,7 @@ typedef struct {
     float out_scale;      /* Granite's residual multiplier on the attention and MLP outputs (else 1) */
     int64_t attention_bf16; /* invariant attention's products in bf16 pairs (extend_attention.c): 1, or
                                KV16_POOL when the pool holds bf16 rows (then every row attends that way) */
+    const float *final_norm; /* [hidden] the model's final RMSNorm weight, applied here, or NULL (the caller's) */
 } rb_decoder_dims;
 
 static inline int64_t max4(int64_t a, int64_t b, int64_t c, int64_t d) {
@@ -63,7 +64,9 @@ static void scale_rows(float *x, int64_t n, float s) {
    at pool slot out_slots[t], and attends to the slots kv_indices[starts[t] : starts[t] + lens[t]]
    (its own slot included). residual: in, the embeddings [T, hidden]; out, the residual stream
    before the last layer's MLP output, which goes to `hidden` [T, hidden] (the model's final norm
-   adds the two). The linears split their rows, and attention its requests (or a long request's
+   adds the two); with `d->final_norm` that norm is taken here: `hidden` is then its output and
+   `residual` the whole stream (the caller's add-and-norm of the two, bit for bit, without a
+   round of Python and torch calls on every step). The linears split their rows, and attention its requests (or a long request's
    keys), over `threads` threads; the linears' activations are `activation_bits` (8 or 16) integers;
    `invariant`: attention gives each row the extend kernel's bits (extend_attention.c), reading keys
    that several requests begin with once per chunk of `sharing` (NULL: none; unwindowed layers).
@@ -181,6 +184,7 @@ int rb_decode_stack(const rb_decoder_layer *layers, int64_t n_layers, const rb_d
         scale_rows(hidden, T * H, d->out_scale);
         if (L->mlp_out_norm) rb_add_rms_norm(NULL, hidden, L->mlp_out_norm, T, H, d->eps, hidden, NULL);
     }
+    if (rc == 0 && d->final_norm) rb_add_rms_norm(hidden, residual, d->final_norm, T, H, d->eps, hidden, residual);
     q4_activations_free(&quantized);
     free(scratch), free(picks);
     return rc;

@@ -313,6 +313,10 @@ class LlamaForCausalLM(nn.Module):
                                          activation_bits=quant.activation_bits(),
                                          invariant=settings.current().batch_invariant,
                                          attention_bf16=settings.current().attention_bf16)
+            if stack.final_norm is not None:  # the stack took the final norm of every row
+                # the rows asked for are in order and distinct: as many as the step's are all of them
+                normed = hidden if logits_indices.numel() == hidden.shape[0] else hidden[logits_indices]
+                return self.head_logits(normed, argmax_rows)
         else:
             residual = None
             for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
@@ -343,6 +347,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden[logits_indices]
         residual = residual[logits_indices]
         hidden, _ = self.norm(hidden, residual)
+        return self.head_logits(hidden, argmax_rows)
+
+    def head_logits(self, hidden: torch.Tensor, argmax_rows: Sequence[int] = ()) -> torch.Tensor:
+        """The LM head on normed rows, on the step's whole thread budget."""
         threads = torch.get_num_threads()
         if self.head_threads <= threads:
             return self._lm_head(hidden, argmax_rows)
@@ -378,8 +386,18 @@ class LlamaForCausalLM(nn.Module):
         self.decode_stack = DecodeStack(weights, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
                                         head_dim=attn.head_dim, eps=self.config.rms_norm_eps,
                                         scale=attn.scale, cos_sin=self.cos_sin_cache.float(),
-                                        max_tokens=DECODE_STACK_MAX_TOKENS, out_scale=attn.out_scale)
+                                        max_tokens=DECODE_STACK_MAX_TOKENS, out_scale=attn.out_scale,
+                                        final_norm=self._stack_final_norm())
         return True
+
+    def _stack_final_norm(self) -> torch.Tensor | None:
+        """The final norm's weight where the stack computes it as `final_logits` would (our RMSNorm
+        on fp32 weights with the config's epsilon: the same native add-and-norm), else None."""
+        norm = self.norm
+        if (not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu"
+                or norm.eps != self.config.rms_norm_eps):
+            return None
+        return norm.weight.detach().contiguous()
 
     @staticmethod
     def stack_norms(layer: nn.Module) -> dict:

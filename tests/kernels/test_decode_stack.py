@@ -244,6 +244,30 @@ def test_stack_equals_the_per_layer_path(fixture, request, monkeypatch):
                                    torch.tensor([lp.logprob for lp in want.logprobs]), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir", "tiny_granite_dir"])
+def test_the_stack_takes_the_final_norm_with_the_callers_bits(fixture, request, monkeypatch):
+    """The stack applies the model's final add-and-norm itself (no Python and torch round per
+    step): greedy tokens and logprobs bit for bit what the model's own norm after the stack gives,
+    one request and several at once (Gemma 3: its 1 + w weights; Granite: its multipliers)."""
+    calls = _stack_calls(monkeypatch)
+    params = SamplingParams(max_new_tokens=10, temperature=0, logprobs=True, top_logprobs=3)
+    prompts = ["The quick brown fox", "A radix tree stores", "Once upon a time"]
+    with Engine(str(request.getfixturevalue(fixture)), kv_cache_tokens=2048, quantization="int4") as eng:
+        stack = eng.runner.model.decode_stack
+        assert stack is not None and stack.final_norm is not None
+        assert stack.final_norm.data_ptr() == eng.runner.model.norm.weight.data_ptr()
+        fused = [eng.generate(p, params) for p in prompts] + eng.generate(prompts, params)
+        assert calls and max(calls) > 1
+        monkeypatch.setattr(stack, "final_norm", None)
+        monkeypatch.setattr(stack._dims, "final_norm", None)  # the model's own norm after the stack
+        eng.flush_cache()
+        apart = [eng.generate(p, params) for p in prompts] + eng.generate(prompts, params)
+    for got, want in zip(fused, apart):
+        assert got.token_ids == want.token_ids
+        assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in want.logprobs]
+        assert [lp.top for lp in got.logprobs] == [lp.top for lp in want.logprobs]
+
+
 def test_fp32_path_runs_its_dense_weights_in_the_stack(tiny_llama_dir, monkeypatch):
     """quantization='none' on the CPU: small decode steps take the stack on the fp32 weights as they
     are; tokens and logprobs as the torch layers give them."""
