@@ -66,8 +66,8 @@ static void scale_rows(float *x, int64_t n, float s) {
    before the last layer's MLP output, which goes to `hidden` [T, hidden] (the model's final norm
    adds the two); with `d->final_norm` that norm is taken here: `hidden` is then its output and
    `residual` the whole stream (the caller's add-and-norm of the two, bit for bit, without a
-   round of Python and torch calls on every step). The linears split their rows, and attention its requests (or a long request's
-   keys), over `threads` threads; the linears' activations are `activation_bits` (8 or 16) integers;
+   round of Python and torch calls on every step). The linears split their rows, and attention
+   its requests (or a long request's keys), over `threads` threads; the linears' activations are `activation_bits` (8 or 16) integers;
    `invariant`: attention gives each row the extend kernel's bits (extend_attention.c), reading keys
    that several requests begin with once per chunk of `sharing` (NULL: none; unwindowed layers).
    Layers may norm q and k per head (Qwen3, Gemma 3), route their MLP over experts (`moe`,

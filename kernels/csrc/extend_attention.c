@@ -1133,9 +1133,9 @@ static void decode_part(void *ctx, int64_t part, int64_t parts) {
    still fills a tile (SHARED_TILE_MIN_ROWS) and the halves' padded rows are no more than the
    whole's. Members keep their arithmetic, so no bit changes. One request's 8 / 9 rows over 500
    keys of the embedded model's shape, 2 threads, a call: 93 -> 85 / 98 -> 89 us, over 2,000 keys
-   283 -> 258 / 297 -> 269 us (AMD EPYC Zen 4); the AVX2 build, 9 rows: 204 -> 192 / 689 -> 666 us,
-   the others level (its 8-row halves would pad more lanes than the whole). Returns the new unit count (never
-   more than the batch's requests: every unit keeps at least one). */
+   283 -> 258 / 297 -> 269 us (AMD EPYC Zen 4); the AVX2 build, 9 rows: 204 -> 192 / 689 -> 666
+   us, the others level (its 8-row halves would pad more lanes than the whole). Returns the new
+   unit count (never more than the batch's requests: every unit keeps at least one). */
 static int64_t balance_units(decode_unit *units, int64_t n_units, int64_t hkv, int64_t group, int64_t threads) {
     while (threads > 1 && (n_units * hkv) % threads != 0 && n_units * hkv < 4 * threads) {
         int64_t widest = -1;
