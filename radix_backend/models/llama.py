@@ -397,7 +397,7 @@ class LlamaForCausalLM(nn.Module):
         if (not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu"
                 or norm.eps != self.config.rms_norm_eps):
             return None
-        return norm.weight.detach().contiguous()
+        return _norm_weight(norm)  # the parameter itself (fp32, contiguous): later in-place edits reach the stack
 
     @staticmethod
     def stack_norms(layer: nn.Module) -> dict:
