@@ -38,8 +38,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "decode_stack.c", CSRC / "q8_matmul.c",
            CSRC / "q4_matmul.c", CSRC / "head_screen.c", CSRC / "f32_matmul.c", CSRC / "moe.c", CSRC / "q4_pack.c",
            CSRC / "ggml_rows.c", CSRC / "thread_pool.c")
-HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "moe.h", CSRC / "q16.h", CSRC / "q4.h",
-           CSRC / "thread_pool.h")
+HEADERS = (CSRC / "cpu_kernels.h", CSRC / "fast_exp.h", CSRC / "moe.h", CSRC / "prefetch.h", CSRC / "q16.h",
+           CSRC / "q4.h", CSRC / "thread_pool.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-pthread")
 
 

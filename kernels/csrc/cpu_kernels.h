@@ -1,6 +1,7 @@
 /* The fp32 kernels of cpu_kernels.c, shared with the fused decode step (decode_stack.c). */
 #ifndef RB_CPU_KERNELS_H
 #define RB_CPU_KERNELS_H
+#include "prefetch.h"
 #include <stdint.h>
 
 /* the 64-byte lines of `floats` floats from `row` on, fetched ahead (pool rows are scattered: no
@@ -9,7 +10,7 @@
    caller's prefetch was ever compiled in. */
 static inline void rb_prefetch_floats(const float *row, int64_t floats) {
     const char *bytes = (const char *)row;
-    for (int64_t c = 0; c < floats * (int64_t)sizeof(float); c += 64) __builtin_prefetch(bytes + c);
+    for (int64_t c = 0; c < floats * (int64_t)sizeof(float); c += 64) rb_prefetch(bytes + c);
     __asm__ __volatile__("");
 }
 

@@ -10,6 +10,7 @@
    vectorized across rows); tasks are pulled from a shared counter by the pool's threads, heaviest
    (last) tiles first. The products use the compiler's vector types, so the same code is AVX-512,
    AVX2 or plain SSE code depending on the build. */
+#include "prefetch.h"
 #include "cpu_kernels.h"
 #include "fast_exp.h"
 #include "thread_pool.h"
@@ -266,7 +267,7 @@ static inline upcoming_keys request_keys_from(const extend_job *a, int64_t b, in
 static inline void prefetch_upcoming(const upcoming_keys *up, int64_t i) {
     if (!up || i >= up->n) return;
     const int64_t at = up->slots[i] * up->row_bytes;
-    for (int64_t c = 0; c < up->bytes; c += 64) __builtin_prefetch(up->k + at + c), __builtin_prefetch(up->v + at + c);
+    for (int64_t c = 0; c < up->bytes; c += 64) rb_prefetch(up->k + at + c), rb_prefetch(up->v + at + c);
     __asm__ __volatile__(""); /* see rb_prefetch_floats */
 }
 

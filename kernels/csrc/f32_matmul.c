@@ -14,6 +14,7 @@
    rows and each activation vector once per W_ROWS weights. Activations are taken in chunks that
    stay in L2 while every weight tile of the thread's share passes over them, each weight tile
    staying in L1 across the chunk. */
+#include "prefetch.h"
 #include "q4.h"
 #include "thread_pool.h"
 
@@ -93,7 +94,7 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *x
         v16 xv[X_ROWS];
         for (int i = 0; i < xr; i++) xv[i] = load16(x[i] + k);
         if (next) {
-            for (int j = 0; j < W_ROWS; j++) __builtin_prefetch(next + j * K + k);
+            for (int j = 0; j < W_ROWS; j++) rb_prefetch(next + j * K + k);
             __asm__ __volatile__("");
         }
         for (int j = 0; j < wr; j++) {

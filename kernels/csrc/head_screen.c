@@ -20,6 +20,7 @@
    and so is its 8-bit value; every block holding an output with upper_j >= thr is recomputed at 16
    bits. The row's argmax over the result (ties: the first) is then the full 16-bit head's. A row
    with any non-finite bound is recomputed whole. */
+#include "prefetch.h"
 #include "q4.h"
 #include "q16.h"
 #include "thread_pool.h"
@@ -238,8 +239,8 @@ static void exact_part(void *ctx, int64_t part, int64_t parts) {
             int64_t next = b + 1;
             while (next < blocks && !exact_needed(job, m * blocks + next, thr, whole)) next++;
             if (next < blocks) {
-                for (int64_t at = 0; at < block_bytes; at += 64) __builtin_prefetch(w->codes + next * block_bytes + at);
-                for (int64_t at = 0; at < high_bytes; at += 64) __builtin_prefetch(w->high + next * high_bytes + at);
+                for (int64_t at = 0; at < block_bytes; at += 64) rb_prefetch(w->codes + next * block_bytes + at);
+                for (int64_t at = 0; at < high_bytes; at += 64) rb_prefetch(w->high + next * high_bytes + at);
             }
             q4_block_rows(w, b, job->q16, m, 1, job->y + m * w->out + b * Q4_ROWS);
             b = next;

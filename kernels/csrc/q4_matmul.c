@@ -10,6 +10,7 @@
    activation rows (or, for formats with more to put together, once for a chunk's tiles:
    keeps_codes); a thread owns a range of blocks and sweeps them for a chunk of rows at a time,
    so the chunk's activations stay in L2 (a tile's rows side by side: q4.h). */
+#include "prefetch.h"
 #include "cpu_kernels.h"
 #include "q4.h"
 #include "q16.h"
@@ -309,9 +310,9 @@ static inline __attribute__((always_inline)) void fetch_next_block(const uint8_t
                                                                    const uint8_t *params, int64_t param_bytes,
                                                                    int64_t groups, int64_t g) {
     const uint8_t *next_codes = codes + (groups + g) * 4 * 64;
-    for (int c = 0; c < 4; c++) __builtin_prefetch(next_codes + c * 64);
-    for (int c = 0; c < hb; c++) __builtin_prefetch(high + (groups + g) * hb * 64 + c * 64);
-    for (int64_t c = 0; c < param_bytes; c += 64) __builtin_prefetch(params + (groups + g) * param_bytes + c);
+    for (int c = 0; c < 4; c++) rb_prefetch(next_codes + c * 64);
+    for (int c = 0; c < hb; c++) rb_prefetch(high + (groups + g) * hb * 64 + c * 64);
+    for (int64_t c = 0; c < param_bytes; c += 64) rb_prefetch(params + (groups + g) * param_bytes + c);
     __asm__ __volatile__("");
 }
 
