@@ -10,8 +10,9 @@ and 32). Each system then runs it in its own process and venv (`peer_drivers/`):
 - through a server: `radix-backend serve`, vLLM's OpenAI server, llama.cpp's own `llama-server`
   (parallel slots, prompt cache), each wave's requests sent concurrently.
 Peers live in `.peers/llamacpp` and `.peers/vllm` (set up by `scripts/setup_peer_*.sh`) and the
-binary `--llama-server` names; a missing one is skipped with its install command. The result is one
-table of ratios per interface, JSON, and a PNG plot in `--out`.
+binary `--llama-server` names; a missing one is skipped with its install command. With `--rounds N`
+the systems run N times in turn and each keeps its best run per measure. The result is one table of
+ratios per interface, JSON, and a PNG plot in `--out`.
 """
 
 from __future__ import annotations
@@ -144,7 +145,10 @@ def build_plan(gguf: Path, quick: bool, decode_tokens: int, repeats: int = 2, hf
     }
 
 
-def run_peer(peer: Peer, plan_path: Path, out_dir: Path, peers_dir: Path, timeout_s: float) -> dict[str, Any] | None:
+def run_peer(peer: Peer, plan_path: Path, out_dir: Path, peers_dir: Path, timeout_s: float,
+             tag: str = "") -> dict[str, Any] | None:
+    """One run of `peer` over the plan in its own process (files named `{kind}_{peer}{tag}`); None if
+    it is not installed or failed."""
     python = sys.executable if not peer.venv else str(peers_dir / peer.venv / "bin" / "python")
     if not Path(python).exists():
         print(f"[{peer.label}] skipped: no venv at {peers_dir / peer.venv}; install it with: {peer.setup}")
@@ -155,13 +159,13 @@ def run_peer(peer: Peer, plan_path: Path, out_dir: Path, peers_dir: Path, timeou
     if peer.name == "llamaserver" and not plan.get("llama_server"):
         print(f"[{peer.label}] skipped: name its binary with {peer.setup}")
         return None
-    plan["server_log"] = str(out_dir / f"server_{peer.name}.log")
+    plan["server_log"] = str(out_dir / f"server_{peer.name}{tag}.log")
     env, plan["preloaded"] = peer_environment(peer, peers_dir)
     if not peer.driver_in_venv:  # the driver needs only the standard library; the server runs in the venv
         plan["vllm_python"], python = python, sys.executable
-    plan_path = out_dir / f"plan_{peer.name}.json"
+    plan_path = out_dir / f"plan_{peer.name}{tag}.json"
     plan_path.write_text(json.dumps(plan))
-    result_path, log_path = out_dir / f"result_{peer.name}.json", out_dir / f"driver_{peer.name}.log"
+    result_path, log_path = out_dir / f"result_{peer.name}{tag}.json", out_dir / f"driver_{peer.name}{tag}.log"
     print(f"[{peer.label}] running ... (its output: {log_path})", flush=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
@@ -175,6 +179,39 @@ def run_peer(peer: Peer, plan_path: Path, out_dir: Path, peers_dir: Path, timeou
     result = json.loads(result_path.read_text())
     result |= {"process_s": time.perf_counter() - start, "vllm_dtype": plan.get("vllm_dtype")}
     return result
+
+
+def best_of_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's runs from several rounds as one result: per workload the run with the least wall
+    time, per micro-measure the highest rate (a shared machine's slow spells only ever cost time;
+    with the systems taken in turn, a spell that slowed one system's run in one round leaves its
+    run in another)."""
+    best = dict(runs[0]) | {"rounds": len(runs)}
+    best["workloads"] = {name: min((r["workloads"][name] for r in runs if name in r.get("workloads", {})),
+                                   key=lambda w: w["wall_s"])
+                         for name in runs[0].get("workloads", {})}
+    best["micro"] = {key: max((v for r in runs if (v := r.get("micro", {}).get(key)) is not None), default=None)
+                     for key in runs[0].get("micro", {})}
+    startups = [r["startup_s"] for r in runs if "startup_s" in r]
+    if startups:
+        best["startup_s"] = min(startups)
+    return best
+
+
+def run_rounds(systems: list[str], plan_path: Path, out: Path, peers_dir: Path, timeout_s: float,
+               rounds: int) -> dict[str, dict[str, Any]]:
+    """Every system once per round, in turn, the order reversed each round (so no system always runs
+    first or last), each system's rounds merged by `best_of_rounds`."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for k in range(rounds):
+        order = systems if k % 2 == 0 else systems[::-1]
+        if rounds > 1:
+            print(f"[round {k + 1}/{rounds}] {', '.join(order)}", flush=True)
+        for name in order:
+            result = run_peer(PEERS[name], plan_path, out, peers_dir, timeout_s, f".r{k + 1}" if rounds > 1 else "")
+            if result is not None:
+                runs.setdefault(name, []).append(result)
+    return {name: best_of_rounds(runs[name]) for name in systems if name in runs}
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -256,6 +293,9 @@ def format_table(results: dict[str, dict]) -> str:
     cpu = next(iter(results.values()))["cpu"]
     isa = os.environ.get(ISA_ENV, "native")
     lines = [f"CPU: {cpu}" + ("" if isa == "native" else f" (kernels and torch held to {isa})")]
+    rounds = max(r.get("rounds", 1) for r in results.values())
+    if rounds > 1:
+        lines.append(f"Each system run {rounds} times in turn; per measure its best run counts.")
     for interface, title in INTERFACES.items():
         names = [n for n, p in PEERS.items() if n in results and p.interface == interface]
         if names:
@@ -316,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small workloads (a smoke run, not a measurement)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode measures")
     parser.add_argument("--repeats", type=int, default=2, help="runs per workload; the fastest counts")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system this many times, in turn (order reversed each round); per measure "
+                             "each system's best round counts, so a slow spell of a shared machine does not decide "
+                             "a ratio")
     parser.add_argument("--out", default="bench-results/peers", help="folder for the plan, results, table and plot")
     parser.add_argument("--peers-dir", default=".peers", help="folder holding the peers' venvs")
     parser.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (peer 'llamaserver')")
@@ -343,11 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         plan["llama_server"] = str(Path(args.llama_server).expanduser().resolve())
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
-    results = {}
-    for name in systems:
-        result = run_peer(PEERS[name], plan_path, out, Path(args.peers_dir).resolve(), args.timeout)
-        if result is not None:
-            results[name] = result
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    results = run_rounds(systems, plan_path, out, Path(args.peers_dir).resolve(), args.timeout, args.rounds)
     if not results:
         print("no system ran")
         return 1

@@ -126,3 +126,32 @@ def test_drivers_import_nothing_of_the_package(script):
     imports = [line for line in source.splitlines() if line.lstrip().startswith(("import ", "from "))]
     assert not [line for line in imports if "radix_backend" in line and script != "run_radix.py"]
     assert any("driver_protocol" in line for line in imports)
+
+
+def test_rounds_take_the_systems_in_turn_and_keep_each_ones_best(tmp_path, monkeypatch):
+    """With --rounds the systems alternate (order reversed each round) and each measure keeps the
+    system's best round: a slow spell of the machine in one round does not decide a ratio."""
+    calls = []
+    walls = {("radix", ".r1"): 3.0, ("radix", ".r2"): 2.0, ("vllm", ".r1"): 4.0, ("vllm", ".r2"): 5.0, ("radix", ""): 1.0}
+
+    def fake_run(peer, plan_path, out, peers_dir, timeout_s, tag=""):
+        calls.append((peer.name, tag))
+        if peer.name == "llamacpp":
+            return None  # not installed: skipped every round
+        wall = walls[(peer.name, tag)]
+        return {"cpu": "test", "startup_s": wall, "workloads": {"few-shot": {"wall_s": wall, "texts": [tag]}},
+                "micro": {"prefill_tok_s": 100 / wall, "decode_b1_tok_s": None if tag == ".r1" else 7.0}}
+
+    monkeypatch.setattr(peers, "run_peer", fake_run)
+    results = peers.run_rounds(["radix", "vllm", "llamacpp"], tmp_path / "plan.json", tmp_path, tmp_path, 60, 2)
+    assert calls == [("radix", ".r1"), ("vllm", ".r1"), ("llamacpp", ".r1"),
+                     ("llamacpp", ".r2"), ("vllm", ".r2"), ("radix", ".r2")]
+    assert set(results) == {"radix", "vllm"}
+    assert results["radix"]["workloads"]["few-shot"] == {"wall_s": 2.0, "texts": [".r2"]}
+    assert results["vllm"]["workloads"]["few-shot"]["wall_s"] == 4.0
+    assert results["vllm"]["micro"] == {"prefill_tok_s": 25.0, "decode_b1_tok_s": 7.0}  # a missing rate is skipped
+    assert results["radix"]["startup_s"] == 2.0 and results["radix"]["rounds"] == 2
+    assert "run 2 times in turn" in peers.format_table(results)
+    calls.clear()
+    assert peers.run_rounds(["radix"], tmp_path / "plan.json", tmp_path, tmp_path, 60, 1)["radix"]["rounds"] == 1
+    assert calls == [("radix", "")]  # one round: the files keep their plain names
