@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="hold our kernels and every peer's torch to a lower x86 level, as on an older CPU "
                              "(vLLM then runs its dtype for that CPU; pass --llama-server a binary built for it)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.cpu_isa != "native":  # inherited by every driver process (they import torch afresh)
         os.environ.update(isa_environment(args.cpu_isa))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -387,8 +389,6 @@ def main(argv: list[str] | None = None) -> int:
         plan["llama_server"] = str(Path(args.llama_server).expanduser().resolve())
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
     results = run_rounds(systems, plan_path, out, Path(args.peers_dir).resolve(), args.timeout, args.rounds)
     if not results:
         print("no system ran")
