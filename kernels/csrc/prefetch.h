@@ -4,9 +4,9 @@
    weight group's lines) overflowed them, the surplus was dropped, and the arithmetic then waited on
    the same lines as ordinary misses: with every prefetch into L1 removed, decode attention over
    cold KV took the same time. Into L2 (AMD EPYC Zen 4, 2 threads, the embedded model's shape,
-   30 layers of bf16 KV out of cache): decode attention of 8 requests over 1,500 keys 32.8 -> 12.9
-   ms, the fp32 kernel's 60.8 -> 45.6 ms; batch-1 decode with fp32 weights 1.24x, batch-32 decode
-   of the Q4_1 model 1.12x; warm data level. A line then reaches L1 from L2 on use, which
+   30 layers of KV out of cache): decode attention of 8 requests over 1,500 keys 32.4 -> 13.0 ms,
+   the fp32 pool's kernel 48-55 -> 40-43 ms; batch-1 decode of a 0.54B Q4_K_M file 1.44x, of the
+   embedded Q4_1 model 1.05x (batch 32 1.12x), with fp32 weights 1.24x; warm data level. A line then reaches L1 from L2 on use, which
    out-of-order execution hides. */
 #ifndef RB_PREFETCH_H
 #define RB_PREFETCH_H
