@@ -57,6 +57,8 @@ _SIGNATURES = {
                             ctypes.c_int),
     "rb_extend_attention_window": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _F, _P,
                                     _P, _I, _I], ctypes.c_int),
+    "rb_extend_attention_shared": ([_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _F, ctypes.c_int, _I, _F, _P,
+                                    _P, _P, _I, _I], ctypes.c_int),
     "rb_round_bf16": ([_P, _I, _P], None),
     "rb_store_kv": ([_P, _I, _P, _I, _I, _I, _P, _I, _P, _P, _I], ctypes.c_int),
     "rb_add_rms_norm_threads": ([_P, _P, _P, _I, _I, _F, _P, _P, _I], None),
@@ -337,7 +339,7 @@ class KeySharing:
 
     def check(self, lens: torch.Tensor) -> None:
         """The C code trusts the chunks: every row exactly once, each shared prefix inside every member's keys."""
-        if lens is self._checked:
+        if self._checked is not None and (lens is self._checked or torch.equal(lens, self._checked)):
             return
         batch = lens.numel()
         if self.order.numel() != batch or not torch.equal(self.order.sort().values, torch.arange(batch)):
@@ -455,15 +457,17 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      q_starts: torch.Tensor, q_lens: torch.Tensor, kv_starts: torch.Tensor, kv_lens: torch.Tensor,
                      scale: float, causal: bool = True, with_lse: bool = False,
                      threads: int = 1, window: int | None = None, softcap: float | None = None,
-                     bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     bf16: bool = False, sharing: KeySharing | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Many query rows per request over its keys, read from the pool in place. Request b owns q rows
     [q_starts[b], + q_lens[b]) and keys at `kv_indices[kv_starts[b] : + kv_lens[b]]`; causal: its
     new token i sees its first kv_lens[b] - q_lens[b] + i + 1 keys (with a sliding `window`, only
     the last `window` of those); `softcap` (Gemma 2) caps every score as softcap * tanh(s / softcap);
     `bf16`: Q, K, V and the probabilities rounded to bf16 and multiplied in pairs with fp32 sums
     (vdpbf16ps where the CPU has it; the same bits on every build with fused multiply-adds; head
-    sizes that are multiples of 32). q [T, Hq, D]; caches [slots, Hkv, D]; int64 index tensors;
-    returns (out [T, Hq, D], lse [T, Hq] or None)."""
+    sizes that are multiples of 32). `sharing` (`KeySharing.find` over the requests' cached
+    prefixes): requests that begin with the same slots attend those keys' whole blocks in full
+    tiles first, the same bits (ignored with a window). q [T, Hq, D]; caches [slots, Hkv, D]; int64
+    index tensors; returns (out [T, Hq, D], lse [T, Hq] or None)."""
     if window is not None and (not causal or window < 1):
         raise ValueError(f"a sliding window needs causal attention and window >= 1, got window={window!r}")
     hq, hkv, mode = _check_attention(q, k_cache, v_cache, bf16)
@@ -479,15 +483,20 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if batch and causal and bool((kv_lens < q_lens).any()):
         raise ValueError("causal attention needs kv_lens >= q_lens (the new tokens' keys are in the pool)")
     check_within("kv_indices", kv_indices, k_cache.shape[0])
+    if sharing is not None:
+        sharing.check((kv_lens - q_lens if causal else kv_lens) + 1)  # shared keys within what every row sees
     q = q.contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(tokens, hq, dtype=torch.float32) if with_lse else None
-    rc = library().rb_extend_attention_window(
+    rc = library().rb_extend_attention_shared(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_indices.data_ptr(), q_starts.data_ptr(),
         q_lens.data_ptr(), kv_starts.data_ptr(), kv_lens.data_ptr(), len(q_lens), hkv, hq // hkv, dim, scale,
-        int(causal), window or 0, softcap or 0.0, out.data_ptr(), _ptr(lse), threads, mode)
+        int(causal), window or 0, softcap or 0.0, None if sharing is None else ctypes.byref(sharing.struct),
+        out.data_ptr(), _ptr(lse), threads, mode)
     if rc == -2:
         raise ValueError(f"extend attention needs a head size that is a multiple of 16, got {dim}")
+    if rc == -3:
+        raise ValueError("key sharing reaches past a member's cached prefix")
     if rc != 0:
         raise NativeKernelError("extend attention could not allocate its scratch memory")
     return out, lse

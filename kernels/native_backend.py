@@ -43,7 +43,7 @@ class NativePlan(Plan):
     starts: torch.Tensor | None = None
     lens: torch.Tensor | None = None
     threads: int = 1
-    sharing: native.KeySharing | None = None  # invariant decode: requests that begin with the same keys
+    sharing: native.KeySharing | None = None  # requests that begin with the same (cached) keys
 
 
 class NativeCPUAttentionBackend(TorchAttentionBackend):
@@ -66,7 +66,7 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
         if not self._reads_slot_table(meta):
             return super()._build_plan(meta)
         if not meta.is_decode:
-            return NativePlan(extend=True)
+            return NativePlan(extend=True, sharing=self._extend_sharing(meta))
         layout = self._shared_layout(meta)
         starts = [layout.kv_ptr[i] + layout.shared[i] for i in range(len(layout.rest_lens))]
         threads = torch.get_num_threads() if sum(layout.rest_lens) >= NATIVE_THREADED_KEYS else 1
@@ -75,6 +75,15 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
             sharing = native.KeySharing.find(meta.kv_indices, starts, layout.rest_lens)
         return NativePlan(layout.groups, layout.group_rows, starts=torch.tensor(starts, dtype=torch.int64),
                           lens=torch.tensor(layout.rest_lens, dtype=torch.int64), threads=threads, sharing=sharing)
+
+    def _extend_sharing(self, meta: AttentionMetadata) -> native.KeySharing | None:
+        """Requests of an extend whose cached prefixes begin with the same whole blocks of slots
+        (branches of one prompt): the kernel attends those blocks for all their rows in full tiles."""
+        prefixes = meta.prefix_lens_cpu
+        if not self.share_prefixes or sum(p >= native.SHARED_BLOCK_KEYS for p in prefixes) < 2:
+            return None
+        return native.KeySharing.find(meta.kv_indices, meta.kv_indptr[:-1].tolist(), prefixes,
+                                      max_members=len(prefixes))
 
     @staticmethod
     def _reads_slot_table(meta: AttentionMetadata) -> bool:
@@ -112,7 +121,8 @@ class NativeCPUAttentionBackend(TorchAttentionBackend):
         if plan.extend:
             out, _ = native.extend_attention(q, k_cache, v_cache, meta.kv_indices, meta.qo_indptr[:-1],
                                              meta.extend_lens, meta.kv_indptr[:-1], meta.seq_lens, scale,
-                                             causal=True, threads=torch.get_num_threads(), bf16=_bf16(q))
+                                             causal=True, threads=torch.get_num_threads(), bf16=_bf16(q),
+                                             sharing=plan.sharing)
             return out
         out, lse = native.decode_attention(q, k_cache, v_cache, meta.kv_indices, plan.starts, plan.lens, scale,
                                            with_lse=bool(plan.groups), threads=plan.threads,

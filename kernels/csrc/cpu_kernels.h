@@ -46,6 +46,11 @@ int rb_extend_attention_window(const float *q, const float *k_cache, const float
                                const int64_t *kv_starts, const int64_t *kv_lens, int64_t batch, int64_t hkv,
                                int64_t group, int64_t dim, float scale, int causal, int64_t window, float softcap,
                                float *out, float *lse, int64_t threads, int64_t bf16);
+int rb_extend_attention_shared(const float *q, const float *k_cache, const float *v_cache,
+                               const int64_t *kv_indices, const int64_t *q_starts, const int64_t *q_lens,
+                               const int64_t *kv_starts, const int64_t *kv_lens, int64_t batch, int64_t hkv,
+                               int64_t group, int64_t dim, float scale, int causal, int64_t window, float softcap,
+                               const rb_key_sharing *sharing, float *out, float *lse, int64_t threads, int64_t bf16);
 void rb_add_rms_norm(const float *x, const float *residual, const float *weight, int64_t rows, int64_t dim,
                      float eps, float *out, float *out_residual);
 void rb_rope(const float *x, int64_t x_stride, int64_t tokens, int64_t heads, int64_t dim,

@@ -162,6 +162,80 @@ def test_backend_extends_natively_and_keeps_torch_for_other_head_sizes():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def shared_prefix_case(hq, hkv, dim, q_lens, shared, own_prefix, seed=0):
+    """Requests whose keys begin with the same `shared` scattered slots (branches of one prompt),
+    then own_prefix[b] cached keys and q_lens[b] new ones of their own."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = shared + sum(own_prefix) + sum(q_lens) + 50
+    k_cache, v_cache = torch.randn(slots, hkv, dim, generator=gen), torch.randn(slots, hkv, dim, generator=gen)
+    order = torch.randperm(slots, generator=gen)
+    common, rest, slot_lists = order[:shared], order[shared:], []
+    for extra, n in zip(own_prefix, q_lens):
+        slot_lists.append(torch.cat([common, rest[:extra + n]]))
+        rest = rest[extra + n:]
+    kv_lens = [len(s) for s in slot_lists]
+    q = torch.randn(sum(q_lens), hq, dim, generator=gen)
+    starts = lambda lens: torch.tensor([sum(lens[:i]) for i in range(len(lens))])  # noqa: E731
+    return (q, k_cache, v_cache, torch.cat(slot_lists), starts(q_lens), torch.tensor(q_lens), starts(kv_lens),
+            torch.tensor(kv_lens)), slot_lists
+
+
+@pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (8, 8, 64), (16, 2, 128)])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16 pool"])
+def test_extend_rows_over_a_shared_prefix_keep_their_bits(hq, hkv, dim, mode):
+    """Requests continuing one cached prompt (few new tokens each, one a long extend that keeps its
+    own tiles, one behind extra cached keys of its own) attend the shared whole blocks in full tiles
+    first: every row and log-sum-exp has the bits it gets without sharing and alone."""
+    q_lens, own_prefix = [12, 1, 5, 90, 3, 12], [0, 0, 70, 0, 64, 1]
+    args, _ = shared_prefix_case(hq, hkv, dim, q_lens, 1057, own_prefix, seed=dim)
+    q, k_cache, v_cache, kv_indices, q_starts, ql, kv_starts, kv_lens = args
+    if mode == "bf16 pool":
+        k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    bf16 = mode != "fp32"
+    sharing = native.KeySharing.find(kv_indices, kv_starts.tolist(), (kv_lens - ql).tolist(), max_members=len(q_lens))
+    assert sharing is not None and int(sharing.shared.max()) == 1024
+    pool = (q, k_cache, v_cache, kv_indices, q_starts, ql, kv_starts, kv_lens, 0.125)
+    plain = native.extend_attention(*pool, with_lse=True, threads=2, bf16=bf16)
+    shared = native.extend_attention(*pool, with_lse=True, threads=2, bf16=bf16, sharing=sharing)
+    assert torch.equal(shared[0], plain[0]) and torch.equal(shared[1], plain[1])
+    for b in range(len(q_lens)):
+        rows = slice(int(q_starts[b]), int(q_starts[b]) + q_lens[b])
+        keys = kv_indices[int(kv_starts[b]):int(kv_starts[b] + kv_lens[b])]
+        alone = native.extend_attention(q[rows], k_cache, v_cache, keys, torch.tensor([0]), ql[b:b + 1],
+                                        torch.tensor([0]), kv_lens[b:b + 1], 0.125, with_lse=True, bf16=bf16)
+        assert torch.equal(shared[0][rows], alone[0]) and torch.equal(shared[1][rows], alone[1])
+
+
+def test_extend_sharing_must_stay_inside_each_cached_prefix():
+    """Shared keys reaching into a member's new tokens (which not all of its rows see) are refused."""
+    args, _ = shared_prefix_case(3, 1, 64, [4, 4], 128, [0, 0])
+    plain, _ = native.extend_attention(*args, 0.125)
+    shared, _ = native.extend_attention(*args, 0.125, sharing=native.KeySharing([([0, 1], 64)]))
+    assert torch.equal(shared, plain)
+    with pytest.raises(ValueError, match="shared prefix"):
+        native.extend_attention(*args, 0.125, sharing=native.KeySharing([([0, 1], 192)]))
+
+
+def test_backend_shares_the_cached_prefix_of_an_extend():
+    """The native backend finds the requests of an extend that continue one cached prompt and hands
+    their sharing to the kernel; the output is the one each request gets alone."""
+    q_lens, own_prefix = [6, 6, 2], [0, 3, 0]
+    args, slot_lists = shared_prefix_case(9, 3, 64, q_lens, 200, own_prefix, seed=5)
+    q, k_cache, v_cache, kv_indices = args[:4]
+    prefix_lens = [200 + p for p in own_prefix]
+    out_slots = torch.cat([slots[-n:] for slots, n in zip(slot_lists, q_lens)])
+    meta = AttentionMetadata.build(prefix_lens, q_lens, kv_indices, out_slots, "cpu")
+    new_k, new_v = k_cache[out_slots].clone(), v_cache[out_slots].clone()
+    backend = NativeCPUAttentionBackend()
+    backend.begin_forward(meta)
+    assert isinstance(backend._plan, NativePlan) and backend._plan.extend
+    assert backend._plan.sharing is not None and int(backend._plan.sharing.shared.max()) == 192
+    out = backend.forward(q, new_k, new_v, k_cache, v_cache, meta, 0.125)
+    alone, _ = native.extend_attention(*args, 0.125)
+    assert torch.equal(out, alone)
+    assert NativeCPUAttentionBackend(share_prefixes=False)._build_plan(meta).sharing is None
+
+
 def test_norms_match_the_torch_ops():
     gen = torch.Generator().manual_seed(1)
     x, residual = torch.randn(5, 576, generator=gen), torch.randn(5, 576, generator=gen)
