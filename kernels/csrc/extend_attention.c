@@ -666,7 +666,7 @@ static int tile_scratch_alloc(tile_scratch *t, int64_t rows, int64_t D, int bf16
    blocks keep the request's grid (shared lengths are whole blocks), so it gets the same bits. */
 typedef struct {
     const int64_t *members; /* requests (batch indices) */
-    int64_t count, shared;  /* members; keys they share, a multiple of BLOCK_KEYS */
+    int64_t shared;         /* keys they share, a multiple of BLOCK_KEYS */
     int64_t first, positions; /* the tile: positions [first, first + positions) of the members' new tokens in turn */
     int64_t h;              /* kv head */
 } shared_task;
@@ -777,7 +777,7 @@ static int shared_pass(extend_job *a, const rb_key_sharing *sharing, int64_t *st
         for (int64_t m = 0; m < count; m++) positions += a->q_lens[members[m]], start[members[m]] = shared;
         for (int64_t first = 0; first < positions; first += per_tile)
             for (int64_t h = 0; h < a->hkv; h++)
-                tasks[n++] = (shared_task){members, count, shared, first,
+                tasks[n++] = (shared_task){members, shared, first,
                                            positions - first < per_tile ? positions - first : per_tile, h};
     }
     a->state = state;
